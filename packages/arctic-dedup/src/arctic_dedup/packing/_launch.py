@@ -1,0 +1,82 @@
+"""Launchers for the row kernels: checks, allocation and grids. Inputs are ``[rows, row_size]`` contiguous views."""
+
+from __future__ import annotations
+
+import torch
+
+from arctic_dedup.index_map import IndexMap
+
+__all__ = ["launch_gather_rows", "launch_segment_sum_rows"]
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def _column_block(row_size: int, max_block: int) -> int:
+    return max(16, min(_next_power_of_two(row_size), max_block))
+
+
+def launch_gather_rows(
+    src: torch.Tensor,
+    index_map: IndexMap,
+    fill_value: float,
+    *,
+    elements_per_program: int = 4096,
+    max_block_cols: int = 1024,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``[num_sources, R]`` -> ``[num_outputs, R]`` with ``out[i] = src[gather_index[i]]`` or ``fill_value``."""
+    from arctic_dedup.packing._kernels import gather_rows_kernel
+
+    src = src.contiguous()
+    num_rows = index_map.num_outputs
+    row_size = src.shape[1]
+    dst = torch.empty((num_rows, row_size), dtype=src.dtype, device=src.device)
+    if num_rows == 0 or row_size == 0:
+        return dst
+    block_cols = _column_block(row_size, max_block_cols)
+    block_rows = max(1, min(_next_power_of_two(num_rows), elements_per_program // block_cols))
+    grid = (triton_cdiv(num_rows, block_rows), triton_cdiv(row_size, block_cols))
+    gather_rows_kernel[grid](
+        src,
+        dst,
+        index_map.gather_index,
+        num_rows,
+        row_size,
+        float(fill_value),
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        num_warps=num_warps,
+    )
+    return dst
+
+
+def launch_segment_sum_rows(
+    src: torch.Tensor, index_map: IndexMap, *, max_block_cols: int = 1024, num_warps: int = 4
+) -> torch.Tensor:
+    """``[num_outputs, R]`` -> ``[num_sources, R]``: each source row gets the sum of the output rows copying it."""
+    from arctic_dedup.packing._kernels import segment_sum_rows_kernel
+
+    src = src.contiguous()
+    row_size = src.shape[1]
+    dst = torch.empty((index_map.num_sources, row_size), dtype=src.dtype, device=src.device)
+    if index_map.num_sources == 0 or row_size == 0:
+        return dst
+    block_cols = _column_block(row_size, max_block_cols)
+    grid = (index_map.num_sources, triton_cdiv(row_size, block_cols))
+    segment_sum_rows_kernel[grid](
+        src,
+        dst,
+        index_map.copies_offsets,
+        index_map.copies_index,
+        row_size,
+        ACCUMULATE_FP64=src.dtype == torch.float64,
+        BLOCK_COLS=block_cols,
+        num_warps=num_warps,
+    )
+    return dst
+
+
+def triton_cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
