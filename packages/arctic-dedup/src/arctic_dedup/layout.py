@@ -87,6 +87,19 @@ class SampleLayout:
         flat = torch.arange(self.num_tokens, device=self.device)
         return flat - self.sample_offsets[:-1][self.token_sample()]
 
+    def prompt_key_rows(self) -> torch.Tensor:
+        """``[B, 2*W+1]`` rows that are equal exactly when two samples' prompts are (valid token ids, position ids
+        and length; ``W`` = longest prompt, -1 beyond a prompt's end). Feed to ``group_rows``."""
+        widest = int(self.prompt_lengths.max())
+        token_sample = self.token_sample()
+        offset = self.token_offset_in_sample()
+        in_prompt = offset < self.prompt_lengths[token_sample]
+        rows = torch.full((self.num_samples, 2 * widest + 1), -1, dtype=torch.long, device=self.device)
+        rows[token_sample[in_prompt], offset[in_prompt]] = self.token_ids[in_prompt]
+        rows[token_sample[in_prompt], widest + offset[in_prompt]] = self.position_ids[in_prompt]
+        rows[:, 2 * widest] = self.prompt_lengths
+        return rows
+
     @staticmethod
     def from_padded(
         input_ids: torch.Tensor,

@@ -138,18 +138,11 @@ class Plan:
 
 def _prompt_classes(layout: SampleLayout, token_sample: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """Prefix classes for ``"prompt"`` sharing: prompt token t of group g -> (g, t); responses unique."""
-    device = layout.device
-    num_samples = layout.num_samples
     widest = int(layout.prompt_lengths.max())
     in_prompt = offset < layout.prompt_lengths[token_sample]
-    rows = torch.full((num_samples, 2 * widest + 1), -1, dtype=torch.long, device=device)
-    prompt_sample, prompt_offset = token_sample[in_prompt], offset[in_prompt]
-    rows[prompt_sample, prompt_offset] = layout.token_ids[in_prompt]
-    rows[prompt_sample, widest + prompt_offset] = layout.position_ids[in_prompt]
-    rows[:, 2 * widest] = layout.prompt_lengths
-    groups = group_rows(rows)
+    groups = group_rows(layout.prompt_key_rows())
     prompt_class = groups.group_index[token_sample] * widest + offset
-    unique_class = groups.num_groups * widest + torch.arange(layout.num_tokens, device=device)
+    unique_class = groups.num_groups * widest + torch.arange(layout.num_tokens, device=layout.device)
     return torch.where(in_prompt, prompt_class, unique_class)
 
 

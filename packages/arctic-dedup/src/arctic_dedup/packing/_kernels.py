@@ -11,7 +11,7 @@ def gather_rows_kernel(
     index_ptr,
     num_rows,
     row_size,
-    fill_value,
+    fill_ptr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -23,7 +23,7 @@ def gather_rows_kernel(
     has_source = source >= 0
     load_mask = (row_ok & has_source)[:, None] & col_ok[None, :]
     values = tl.load(src_ptr + source[:, None] * row_size + cols[None, :], mask=load_mask, other=0)
-    fill = fill_value.to(dst_ptr.dtype.element_ty)
+    fill = tl.load(fill_ptr)
     values = tl.where(has_source[:, None], values, fill)
     tl.store(dst_ptr + rows[:, None] * row_size + cols[None, :], values, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -35,7 +35,7 @@ def segment_sum_rows_kernel(
     offsets_ptr,
     index_ptr,
     row_size,
-    ACCUMULATE_FP64: tl.constexpr,
+    ACCUMULATOR_DTYPE: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -43,10 +43,7 @@ def segment_sum_rows_kernel(
     col_ok = cols < row_size
     begin = tl.load(offsets_ptr + row)
     end = tl.load(offsets_ptr + row + 1)
-    if ACCUMULATE_FP64:
-        total = tl.zeros([BLOCK_COLS], dtype=tl.float64)
-    else:
-        total = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+    total = tl.zeros([BLOCK_COLS], dtype=ACCUMULATOR_DTYPE)
     for position in range(begin, end):
         source = tl.load(index_ptr + position).to(tl.int64)
         total += tl.load(src_ptr + source * row_size + cols, mask=col_ok, other=0).to(total.dtype)

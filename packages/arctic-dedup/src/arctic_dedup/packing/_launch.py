@@ -44,7 +44,7 @@ def launch_gather_rows(
         index_map.gather_index,
         num_rows,
         row_size,
-        float(fill_value),
+        torch.full((1,), fill_value, dtype=src.dtype, device=src.device),
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
         num_warps=num_warps,
@@ -56,6 +56,8 @@ def launch_segment_sum_rows(
     src: torch.Tensor, index_map: IndexMap, *, max_block_cols: int = 1024, num_warps: int = 4
 ) -> torch.Tensor:
     """``[num_outputs, R]`` -> ``[num_sources, R]``: each source row gets the sum of the output rows copying it."""
+    import triton.language as tl
+
     from arctic_dedup.packing._kernels import segment_sum_rows_kernel
 
     src = src.contiguous()
@@ -71,7 +73,7 @@ def launch_segment_sum_rows(
         index_map.copies_offsets,
         index_map.copies_index,
         row_size,
-        ACCUMULATE_FP64=src.dtype == torch.float64,
+        ACCUMULATOR_DTYPE=tl.float64 if src.dtype == torch.float64 else tl.float32,
         BLOCK_COLS=block_cols,
         num_warps=num_warps,
     )
