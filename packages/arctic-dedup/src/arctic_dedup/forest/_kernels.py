@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-def"
 """Triton kernels for forest cascade decode (``@triton.jit`` code only).
 
 Three kernels share one partial-result format: for every query row a normalized partial output ``o`` (fp32) and

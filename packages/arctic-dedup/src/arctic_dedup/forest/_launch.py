@@ -38,9 +38,11 @@ def check_decode_inputs(
                 f"{name} is {cache.dtype} on {cache.device} but query is {query.dtype} on {query.device}; the KV "
                 "cache and the query must share dtype and device (quantized KV caches are not supported)."
             )
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
     if tuple(value_cache.shape) != tuple(key_cache.shape):
-        raise PlanError(f"value_cache shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}.")
+        raise PlanError(
+            f"value_cache shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}."
+        )
     if block_size != plan.block_size or num_kv_heads != plan.num_kv_heads:
         raise PlanError(
             f"the plan was built for block_size={plan.block_size}, num_kv_heads={plan.num_kv_heads} but the cache "

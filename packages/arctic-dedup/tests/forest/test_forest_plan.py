@@ -1,0 +1,190 @@
+"""Group discovery on the device against the loop reference, and the plan's invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arctic_dedup.errors import PlanError
+from arctic_dedup.forest import ForestGrouping, ForestKernelConfig, plan_forest, plan_paged, reference_forest_groups
+from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
+
+
+def _plan(batch: DecodeBatch, grouping: ForestGrouping | None = None, block_size: int = 16, **config: int):
+    return plan_forest(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=block_size,
+        num_cache_blocks=batch.key_cache.shape[0],
+        max_query_len=batch.max_query_len,
+        queries_per_kv=2,
+        num_kv_heads=2,
+        grouping=grouping,
+        config=ForestKernelConfig(**config),
+    )
+
+
+def _reference(batch: DecodeBatch, grouping: ForestGrouping, block_size: int = 16) -> tuple[list[int], list[int]]:
+    return reference_forest_groups(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size,
+        min_group_size=grouping.min_group_size,
+        min_prefix_blocks=grouping.min_prefix_blocks,
+        min_grouped_fraction=grouping.min_grouped_fraction,
+        max_groups=grouping.max_groups,
+    )
+
+
+def _random_batch(seed: int) -> DecodeBatch:
+    rng = random.Random(seed)
+    num_groups = rng.randint(1, 4)
+    root = rng.choice([0, 0, 1, 2])
+    prefix_lens = [rng.randint(max(root * 16, 1), 90) for _ in range(num_groups)]
+    suffix_lens = [[rng.randint(0, 40) for _ in range(rng.randint(1, 5))] for _ in range(num_groups)]
+    query_lens = [[rng.randint(1, 3) for _ in group] for group in suffix_lens]
+    return make_decode_batch(
+        prefix_lens, suffix_lens, query_lens=query_lens, root_blocks=root, shuffle=rng.random() < 0.5, seed=seed
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    min_group_size=st.integers(2, 4),
+    min_prefix_blocks=st.integers(1, 3),
+    min_grouped_fraction=st.sampled_from([0.0, 0.5, 0.9]),
+    max_groups=st.sampled_from([None, 0, 1, 3]),
+)
+def test_groups_match_reference(
+    seed: int, min_group_size: int, min_prefix_blocks: int, min_grouped_fraction: float, max_groups: int | None
+) -> None:
+    batch = _random_batch(seed)
+    grouping = ForestGrouping(min_group_size, min_prefix_blocks, min_grouped_fraction, max_groups)
+    plan = _plan(batch, grouping)
+    leader, prefix = _reference(batch, grouping)
+    assert plan.group_leader.tolist() == leader
+    assert plan.prefix_blocks.tolist() == prefix
+    assert int(plan.num_groups) == sum(1 for i, p in enumerate(prefix) if p > 0 and leader[i] == i)
+    assert int(plan.num_grouped_requests) == sum(1 for p in prefix if p > 0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_invariants(seed: int) -> None:
+    batch = _random_batch(seed)
+    plan = _plan(batch, split_granularity=16, multiprocessors=3)
+    table = batch.block_table.tolist()
+    starts = batch.query_start_loc.tolist()
+    seq = batch.seq_lens.tolist()
+    leaders = plan.group_leader.tolist()
+    prefix = plan.prefix_blocks.tolist()
+    tiles = plan.tile_of.tolist()
+    slots = plan.slot_in_tile.tolist()
+    members = plan.tile_members.tolist()
+    for request, blocks in enumerate(prefix):
+        # Every member holds the leader's prefix blocks, all before its first query token.
+        assert table[request][:blocks] == table[leaders[request]][:blocks]
+        assert blocks * 16 <= seq[request] - (starts[request + 1] - starts[request])
+        if blocks:
+            assert members[tiles[request]][slots[request]] == request
+            assert plan.tile_leader[tiles[request]] == leaders[request]
+            assert plan.tile_prefix_blocks[tiles[request]] == blocks
+        else:
+            assert tiles[request] == -1
+    listed = sorted(m for row in members for m in row if m >= 0)
+    assert listed == sorted(i for i, p in enumerate(prefix) if p > 0)
+    # Work lists cover each tile's prefix and each request's suffix exactly once.
+    split = int(plan.prefix_split_tokens)
+    starts_p = plan.prefix_work_start.tolist()
+    for tile, blocks in enumerate(plan.tile_prefix_blocks.tolist()):
+        assert starts_p[tile + 1] - starts_p[tile] == -(-blocks * 16 // split)
+    assert starts_p[-1] <= plan.max_prefix_work
+    split = int(plan.suffix_split_tokens)
+    starts_s = plan.suffix_work_start.tolist()
+    for request, blocks in enumerate(prefix):
+        assert starts_s[request + 1] - starts_s[request] == -(-(seq[request] - blocks * 16) // split)
+    assert starts_s[-1] <= plan.max_suffix_work
+
+
+def test_siblings_share_prompt_blocks_under_a_common_root() -> None:
+    batch = make_decode_batch([200, 130], [[5] * 4, [9] * 3], root_blocks=2, shuffle=True, seed=3)
+    plan = _plan(batch)
+    groups: dict[int, list[int]] = {}
+    for request, leader in enumerate(plan.group_leader.tolist()):
+        groups.setdefault(leader, []).append(request)
+    assert sorted(len(g) for g in groups.values()) == [3, 4]
+    assert sorted(set(plan.prefix_blocks.tolist())) == [130 // 16, 200 // 16]
+    assert int(plan.saved_block_reads) == 3 * (200 // 16) + 2 * (130 // 16)
+
+
+def test_nothing_shared_gives_no_groups() -> None:
+    batch = make_decode_batch([50, 60, 70], [[4], [0], [9]], seed=1)
+    plan = _plan(batch)
+    assert plan.prefix_blocks.tolist() == [0, 0, 0]
+    assert plan.tile_of.tolist() == [-1, -1, -1]
+    assert int(plan.num_groups) == 0
+
+
+def test_padding_block_zero_is_not_shared() -> None:
+    # Every table row ends in block 0 (vLLM's null block); it must never form a group.
+    batch = make_decode_batch([10, 12], [[3], [4]], spare_blocks=0, seed=2)
+    assert (batch.block_table[:, -1] == 0).all()
+    assert _plan(batch).prefix_blocks.tolist() == [0, 0]
+
+
+def test_paged_plan_has_no_groups() -> None:
+    batch = make_decode_batch([64], [[3, 4, 5]], seed=4)
+    plan = plan_paged(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=16,
+        max_query_len=1,
+        queries_per_kv=2,
+        num_kv_heads=2,
+    )
+    assert not plan.shares
+    assert plan.prefix_blocks.tolist() == [0, 0, 0]
+
+
+def test_bad_inputs_say_what_to_fix() -> None:
+    batch = make_decode_batch([32], [[1, 2]], seed=5)
+    with pytest.raises(PlanError, match="seq_lens"):
+        plan_forest(
+            batch.block_table,
+            batch.seq_lens[:1],
+            batch.query_start_loc,
+            block_size=16,
+            num_cache_blocks=99,
+            max_query_len=1,
+            queries_per_kv=2,
+            num_kv_heads=2,
+        )
+    with pytest.raises(PlanError, match="int32"):
+        plan_forest(
+            batch.block_table.float(),
+            batch.seq_lens,
+            batch.query_start_loc,
+            block_size=16,
+            num_cache_blocks=99,
+            max_query_len=1,
+            queries_per_kv=2,
+            num_kv_heads=2,
+        )
+    with pytest.raises(ValueError, match="min_group_size"):
+        ForestGrouping(min_group_size=1)
+    with pytest.raises(ValueError, match="power of two"):
+        ForestKernelConfig(prefix_block_m=48)
+
+
+def test_plan_builds_without_host_reads_under_inference_mode() -> None:
+    batch = _random_batch(7)
+    with torch.inference_mode():
+        plan = _plan(batch)
+    assert plan.prefix_blocks.device == batch.block_table.device
