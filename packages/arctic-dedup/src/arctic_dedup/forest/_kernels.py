@@ -19,8 +19,7 @@ Row ``r`` of a request's row block stands for query token ``r // G`` and query h
 import triton
 import triton.language as tl
 
-LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
+LN_2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

@@ -1,0 +1,212 @@
+"""``tree_attention``: exact attention over a plan's prefix tree, one function in front of every backend."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal, get_args, overload
+
+import torch
+
+from arctic_dedup.attention.auto import BACKENDS, ConcreteBackend, TreeAttentionBackend, choose_backend
+from arctic_dedup.attention.reference import tree_attention_reference
+from arctic_dedup.errors import PlanError
+
+if TYPE_CHECKING:
+    from arctic_dedup.plan import Plan
+
+__all__ = ["SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "tree_attention"]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# 64, 128 and 256 are the head dims of the supported models; 16 and 32 keep interpreter tests cheap.
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Plan,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    backend: str,
+) -> None:
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            raise ValueError(
+                f"{name} must be a [T, H, D] tensor, got {getattr(tensor, 'shape', type(tensor))}; flatten the "
+                "batch into the packed stream (one row per packed token) first."
+            )
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {tensor.dtype}.")
+    num_tokens = plan.num_packed_tokens
+    if query.shape[0] != num_tokens:
+        raise PlanError(
+            f"query has {query.shape[0]} rows but the plan packs {num_tokens} tokens; pass the packed stream of this "
+            "plan (pack(x, plan)), not the per-sample tokens."
+        )
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same [T, Hkv, D].")
+    if key.shape[0] != num_tokens:
+        raise PlanError(f"key/value have {key.shape[0]} rows but the plan packs {num_tokens} tokens.")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(f"query head dim {query.shape[2]} differs from key/value head dim {key.shape[2]}.")
+    if query.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {query.shape[2]}.")
+    num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"the number of query heads ({num_q_heads}) must be a multiple of the number of key/value heads "
+            f"({num_kv_heads}) (grouped-query attention)."
+        )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}.")
+    plan_device = plan.kv_visible_until.device
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.device != plan_device:
+            raise PlanError(f"{name} is on {tensor.device} but the plan is on {plan_device}; build the plan there.")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}.")
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(
+            f"sliding_window must be an int >= 1 (tokens, in logical positions) or None, got {sliding_window!r}."
+        )
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}.")
+    if backend not in get_args(TreeAttentionBackend):
+        raise ValueError(f"backend must be one of {get_args(TreeAttentionBackend)}, got {backend!r}.")
+
+
+def _run_backend(
+    backend: ConcreteBackend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Plan,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    return_lse: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if backend == "reference":
+        out, lse = tree_attention_reference(
+            query,
+            key,
+            value,
+            plan.kv_visible_until,
+            position_ids=plan.position_ids,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+        return out, lse
+    if backend == "flex":
+        from arctic_dedup.attention.flex import flex_tree_attention
+
+        return flex_tree_attention(
+            query,
+            key,
+            value,
+            plan,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            return_lse=return_lse,
+        )
+    raise NotImplementedError(f"backend={backend!r} is not available yet; use 'flex', 'reference' or 'auto'.")
+
+
+@overload
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Plan,
+    *,
+    scale: float | None = ...,
+    backend: TreeAttentionBackend = ...,
+    sliding_window: int | None = ...,
+    softcap: float | None = ...,
+    return_lse: Literal[False] = ...,
+    deterministic: bool = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Plan,
+    *,
+    scale: float | None = ...,
+    backend: TreeAttentionBackend = ...,
+    sliding_window: int | None = ...,
+    softcap: float | None = ...,
+    return_lse: Literal[True],
+    deterministic: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Plan,
+    *,
+    scale: float | None = None,
+    backend: TreeAttentionBackend = "auto",
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over the plan's prefix tree: every packed token attends to its ancestors' tokens and,
+    causally, to its own node's tokens; never to siblings, cousins or other trees.
+
+    Query ``q`` sees key ``k`` iff ``k <= q < plan.kv_visible_until[k]`` (and, with a sliding window ``W``,
+    ``plan.position_ids[q] - plan.position_ids[k] < W``). The result equals running causal attention over every
+    sample separately and packing the outputs.
+
+    Args:
+        query: ``[T, Hq, D]`` packed queries (``T = plan.num_packed_tokens``).
+        key: ``[T, Hkv, D]`` packed keys; ``Hq`` must be a multiple of ``Hkv`` (grouped-query attention).
+        value: ``[T, Hkv, D]`` packed values.
+        plan: the micro-batch's plan (``build_plan`` / ``build_plan_from_layout``), on the inputs' device.
+        scale: score scale; default ``1 / sqrt(D)``.
+        backend: ``"auto"`` (see ``choose_backend``), ``"reference"`` (dense fp32, small inputs only),
+            ``"flex"`` (FlexAttention with a block mask from the plan), ``"triton"`` (fused kernels over the plan's
+            block lists), ``"varlen"`` (flash-attention varlen calls per tree level, merged by log-sum-exp).
+        sliding_window: attend only to keys whose logical position is less than this many tokens behind the query
+            (Mistral/Qwen convention: ``q_pos - k_pos < sliding_window``); None for full attention.
+        softcap: cap scores as ``softcap * tanh(score / softcap)`` after scaling (Gemma 2 style); None for none.
+        return_lse: also return the log-sum-exp of the (scaled, capped) scores.
+        deterministic: make the backward pass bitwise reproducible (``triton`` reduces without atomics; the
+            reference and ``varlen`` are deterministic anyway; FlexAttention follows torch's own setting).
+
+    Returns:
+        ``[T, Hq, D]`` in the input dtype, or ``(out, lse)`` with lse ``[T, Hq]`` float32, natural log.
+
+    Differentiable in query, key and value (FlexAttention and the reference also through the lse).
+
+    Supported: D in {64, 128, 256} (and 16, 32); bfloat16, float16, float32.
+    """
+    _check_inputs(query, key, value, plan, scale, sliding_window, softcap, backend)
+    resolved_scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
+    chosen: ConcreteBackend
+    if backend == "auto":
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        chosen = choose_backend(
+            query, key.shape[1], sliding_window=sliding_window, softcap=softcap, needs_grad=needs_grad
+        )
+    else:
+        assert backend in BACKENDS
+        chosen = backend
+    out, lse = _run_backend(
+        chosen, query, key, value, plan, resolved_scale, sliding_window, softcap, return_lse, deterministic
+    )
+    if return_lse:
+        assert lse is not None
+        return out, lse
+    return out

@@ -1,0 +1,121 @@
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import arctic_dedup
+
+EXPECTED_EXPORTS = {
+    "BatchLayoutError",
+    "BatchStats",
+    "BlockSparsity",
+    "DedupCost",
+    "GroupSplitWarning",
+    "IndexMap",
+    "MicroBatch",
+    "ModelShape",
+    "Plan",
+    "PlanError",
+    "PrefixTree",
+    "PromptGroup",
+    "ReconstructionInfo",
+    "ResponseIndex",
+    "RowGroups",
+    "SampleLayout",
+    "VarlenParams",
+    "ZoRRoTrain",
+    "__version__",
+    "analyze_normal_batch_via_attention_mask",
+    "block_sparsity",
+    "build_plan",
+    "build_plan_from_layout",
+    "dedup_cost",
+    "dedup_cost_of_plan",
+    "dense_tree_mask",
+    "format_micro_batch_report",
+    "gather_rows",
+    "group_rows",
+    "pack",
+    "partition_for_data_parallel",
+    "partition_items",
+    "plan_micro_batches",
+    "prompt_groups",
+    "segment_sum_rows",
+    "unpack",
+}
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_exported_names_are_pinned() -> None:
+    assert set(arctic_dedup.__all__) >= EXPECTED_EXPORTS
+    for name in arctic_dedup.__all__:
+        assert hasattr(arctic_dedup, name), name
+
+
+def test_seed_facade_signatures() -> None:
+    import inspect
+
+    from arctic_dedup.facade import ZoRRoTrain
+    from arctic_dedup.testing import create_dummy_batch
+
+    assert list(inspect.signature(ZoRRoTrain.find_prompt_groups).parameters) == [
+        "input_ids",
+        "response_length",
+        "attention_mask",
+    ]
+    assert list(inspect.signature(ZoRRoTrain.create_deduplicated_batch).parameters) == [
+        "input_ids",
+        "position_ids",
+        "response_length",
+        "prompt_groups",
+        "unique_prompts",
+        "attention_mask",
+        "use_unpad",
+    ]
+    assert list(inspect.signature(create_dummy_batch).parameters)[:8] == [
+        "batch_size",
+        "num_unique_prompts",
+        "prompt_len",
+        "response_len",
+        "vocab_size",
+        "device",
+        "include_training_fields",
+        "add_padding",
+    ]
+
+
+def test_import_pulls_in_no_heavy_framework() -> None:
+    code = (
+        "import sys, arctic_dedup, arctic_dedup.testing, arctic_dedup.facade;"
+        "heavy = [m for m in ('transformers', 'vllm', 'deepspeed', 'ray') if m in sys.modules];"
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _workspace_projects() -> list[dict]:
+    files = [REPO_ROOT / "pyproject.toml", *sorted((REPO_ROOT / "packages").glob("*/pyproject.toml"))]
+    return [tomllib.loads(path.read_text())["project"] for path in files]
+
+
+@pytest.mark.skipif(not (REPO_ROOT / "packages").is_dir(), reason="needs the source checkout (workspace files)")
+def test_versions_move_in_lockstep() -> None:
+    projects = _workspace_projects()
+    names = {project["name"] for project in projects}
+    assert {"arctic-platform", "arctic-dedup", "arctic-zorro-train", "arctic-fca", "arctic-rl"} <= names
+    versions = {project["name"]: project["version"] for project in projects}
+    assert len(set(versions.values())) == 1, f"versions drifted: {versions}"
+    version = next(iter(versions.values()))
+    assert arctic_dedup.__version__ == version
+    for project in projects:
+        requirements = list(project.get("dependencies", []))
+        for extra in project.get("optional-dependencies", {}).values():
+            requirements.extend(extra)
+        for requirement in requirements:
+            name = requirement.split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
+            if name in names:
+                assert requirement.endswith(f"=={version}"), f"{project['name']}: {requirement} must pin =={version}"
