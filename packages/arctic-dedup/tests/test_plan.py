@@ -1,3 +1,4 @@
+import itertools
 from collections import Counter
 
 import pytest
@@ -70,7 +71,7 @@ def _check_varlen_covers_mask(plan: Plan) -> None:
     total = plan.num_packed_tokens
     covered = torch.zeros(total, total, dtype=torch.long)
     cu = plan.varlen.cu_seqlens_nodes.tolist()
-    for lo, hi in zip(cu[:-1], cu[1:], strict=True):
+    for lo, hi in itertools.pairwise(cu):
         covered[lo:hi, lo:hi] += torch.ones(hi - lo, hi - lo, dtype=torch.long).tril()
     for level in plan.varlen.cross_levels:
         cq, ck = level.cu_seqlens_q.tolist(), level.cu_seqlens_k.tolist()
