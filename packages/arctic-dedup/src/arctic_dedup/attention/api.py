@@ -149,6 +149,22 @@ def tree_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@overload
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Plan,
+    *,
+    scale: float | None = ...,
+    backend: TreeAttentionBackend = ...,
+    sliding_window: int | None = ...,
+    softcap: float | None = ...,
+    return_lse: bool,
+    deterministic: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
