@@ -1,0 +1,208 @@
+"""Attention over the packed stream, reached through transformers' attention interface.
+
+A patched attention module gets a config *view*: the module's own config with ``_attn_implementation`` answering
+``"arctic_zorro"``, so the stock module code (projections, q/k norms, RoPE, the Qwen3.5 output gate, o_proj) runs
+unchanged and only the attention product goes through ``zorro_attention``. Without a zorro context in the call
+(a plain ``model(...)`` call), ``zorro_attention`` hands over to the implementation the model was loaded with.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from arctic_dedup import gather_rows
+from torch import nn
+
+from arctic_zorro_train.context import CONTEXT_KWARG, ReconstructMaps, ZorroContext
+
+__all__ = [
+    "ZORRO_ATTENTION",
+    "AttentionConfigView",
+    "reconstruct_attention",
+    "register_zorro_attention",
+    "zorro_attention",
+]
+
+ZORRO_ATTENTION = "arctic_zorro"
+
+
+class AttentionConfigView:
+    """A read-through view of a module's config whose ``_attn_implementation`` is ``"arctic_zorro"``.
+
+    Every other attribute reads (and writes) the wrapped config, so the view never goes stale. It remembers the
+    implementation to fall back to without a zorro context, and whether the layer uses split (tree) attention.
+    """
+
+    def __init__(self, base: Any, fallback_implementation: str, use_split_attention: bool) -> None:
+        object.__setattr__(self, "zorro_base_config", base)
+        object.__setattr__(self, "zorro_fallback_implementation", fallback_implementation)
+        object.__setattr__(self, "zorro_use_split_attention", use_split_attention)
+
+    @property
+    def _attn_implementation(self) -> str:
+        return ZORRO_ATTENTION
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "zorro_base_config"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("zorro_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.zorro_base_config, name, value)
+
+    def __repr__(self) -> str:
+        return f"AttentionConfigView({self.zorro_base_config.__class__.__name__}, fallback={self.zorro_fallback_implementation!r})"
+
+
+def _fallback_attention(module: nn.Module, implementation: str) -> Callable[..., tuple[torch.Tensor, Any]]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    modeling = sys.modules[type(module).__module__]
+    eager: Callable[..., tuple[torch.Tensor, Any]] = modeling.eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)  # type: ignore[no-any-return]
+
+
+def _tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context: ZorroContext,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    try:
+        from arctic_dedup.attention import tree_attention
+    except ImportError:
+        return _dense_tree_attention(query, key, value, context, scale=scale, sliding_window=sliding_window)
+
+    out = tree_attention(
+        query,
+        key,
+        value,
+        context.plan,
+        scale=scale,
+        backend=context.attention_backend,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    return out  # type: ignore[no-any-return]
+
+
+def _dense_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context: ZorroContext,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Interim stand-in until ``arctic_dedup.attention.tree_attention`` lands: SDPA with the dense tree mask."""
+    from arctic_dedup import dense_tree_mask
+
+    plan = context.plan
+    mask = dense_tree_mask(plan.kv_visible_until)
+    if sliding_window is not None:
+        mask = mask & (plan.position_ids[:, None] - plan.position_ids[None, :] < sliding_window)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def reconstruct_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    maps: ReconstructMaps,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The slower exact alternative: unpack q/k/v per sample, causal attention per sample, pack back.
+
+    ``[T, H, D]`` in and out. Padded query rows attend to themselves only, so nothing is NaN anywhere.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    batch, width = maps.num_samples, maps.width
+
+    def per_sample(x: torch.Tensor) -> torch.Tensor:
+        rows = gather_rows(x.reshape(num_tokens, -1), maps.to_samples)
+        return rows.view(batch, width, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    q, k, v = per_sample(query), per_sample(key), per_sample(value)
+    position = torch.arange(width, device=query.device)
+    visible = (position[None, :] <= position[:, None]) & (position[None, None, :] < maps.lengths[:, None, None])
+    if sliding_window is not None:
+        visible = visible & (position[:, None] - position[None, :] < sliding_window)
+    visible = visible | torch.eye(width, dtype=torch.bool, device=query.device)
+    scale = head_dim**-0.5 if scale is None else scale
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+    else:
+        group = num_q_heads // key.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    out = out.transpose(1, 2).reshape(batch * width, -1)
+    return gather_rows(out, maps.to_packed).view(num_tokens, num_q_heads, head_dim)
+
+
+def zorro_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function: ``[1, H, T, D]`` q/k/v -> ``([1, T, Hq, D], None)``."""
+    context: ZorroContext | None = kwargs.pop(CONTEXT_KWARG, None)
+    view = module.config
+    if context is None:
+        fallback = _fallback_attention(module, getattr(view, "zorro_fallback_implementation", "eager"))
+        return fallback(module, query, key, value, attention_mask, **kwargs)  # type: ignore[return-value]
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"zorro attention expects the packed stream as one row [1, H, T, D], got query {tuple(query.shape)}."
+        )
+    if kwargs.get("dropout", 0.0):
+        raise ValueError(
+            f"attention dropout {kwargs['dropout']} is not supported by zorro attention; set "
+            "config.attention_dropout = 0 (the Qwen, Llama and Mistral defaults)."
+        )
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    options: dict[str, Any] = {
+        "scale": kwargs.get("scaling"),
+        "sliding_window": kwargs.get("sliding_window"),
+        "softcap": kwargs.get("softcap"),
+    }
+    if getattr(view, "zorro_use_split_attention", True):
+        out = _tree_attention(q, k, v, context, **options)
+    else:
+        if context.reconstruct is None:
+            raise RuntimeError("this layer runs reconstruct-then-attend but the context has no reconstruct maps.")
+        out = reconstruct_attention(q, k, v, context.reconstruct, **options)
+    return out.unsqueeze(0), None
+
+
+def register_zorro_attention() -> None:
+    """Register ``"arctic_zorro"`` with transformers' attention interface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ZORRO_ATTENTION, zorro_attention)

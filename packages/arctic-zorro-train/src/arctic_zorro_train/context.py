@@ -1,0 +1,73 @@
+"""The per-micro-batch context every patched layer reads: the plan plus what the layers derive from it once.
+
+It travels to the layers as a keyword argument of the backbone's forward (transformers passes unknown keyword
+arguments down to the decoder layers and from there to the attention function and the linear-attention layers), so
+gradient-checkpoint recomputation sees the same context. Immutable; built once per forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from arctic_dedup import IndexMap, Plan
+
+from arctic_zorro_train.gated_delta import GatedDeltaSchedule, build_gated_delta_schedule
+
+__all__ = ["CONTEXT_KWARG", "ReconstructMaps", "ZorroContext", "build_context", "build_reconstruct_maps"]
+
+CONTEXT_KWARG = "arctic_zorro_context"
+
+
+@dataclass(frozen=True)
+class ReconstructMaps:
+    """For the reconstruct-then-attend mode: packed ``[T]`` <-> per-sample right-padded ``[B * L]`` rows.
+
+    to_samples gathers packed rows into ``[B * L]`` (-1 at padding); to_packed takes each packed token from the
+    first sample containing it; lengths ``[B]`` are the samples' valid lengths.
+    """
+
+    to_samples: IndexMap
+    to_packed: IndexMap
+    lengths: torch.Tensor
+    num_samples: int
+    width: int
+
+
+def build_reconstruct_maps(plan: Plan) -> ReconstructMaps:
+    layout = plan.layout
+    lengths = layout.sample_lengths
+    width = int(lengths.max())
+    token_sample = layout.token_sample()
+    slot = token_sample * width + layout.token_offset_in_sample()
+    gather = torch.full((layout.num_samples * width,), -1, dtype=torch.long, device=plan.device)
+    gather[slot] = plan.sample_packed_index
+    return ReconstructMaps(
+        to_samples=IndexMap.build(gather, plan.num_packed_tokens),
+        to_packed=IndexMap.build(slot[plan.pack_map.gather_index], layout.num_samples * width),
+        lengths=lengths,
+        num_samples=layout.num_samples,
+        width=width,
+    )
+
+
+@dataclass(frozen=True)
+class ZorroContext:
+    """plan; attention_backend for ``tree_attention``; gated_delta (hybrid models only); reconstruct (only when some
+    attention layer runs in reconstruct-then-attend mode)."""
+
+    plan: Plan
+    attention_backend: str
+    gated_delta: GatedDeltaSchedule | None
+    reconstruct: ReconstructMaps | None
+
+
+def build_context(
+    plan: Plan, *, attention_backend: str, conv_width: int | None, needs_reconstruct: bool
+) -> ZorroContext:
+    return ZorroContext(
+        plan=plan,
+        attention_backend=attention_backend,
+        gated_delta=None if conv_width is None else build_gated_delta_schedule(plan, conv_width),
+        reconstruct=build_reconstruct_maps(plan) if needs_reconstruct else None,
+    )

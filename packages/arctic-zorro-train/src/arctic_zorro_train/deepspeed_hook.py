@@ -1,0 +1,114 @@
+"""Installing zorro-train inside the DeepSpeed engines when ``zorro_train.enable`` is set.
+
+The training and log-prob engines call ``install_zorro_for_deepspeed(engine_or_model, config)`` once, after
+``deepspeed.initialize`` (or before it, on the bare model). Patching only touches module attributes, so it works
+under every ZeRO stage; under ZeRO-3 the parameters that zorro-train reads outside their own module's forward
+(Gated DeltaNet conv weights, the LM head weight for fp32 logits) are registered as external parameters so that
+DeepSpeed gathers them when the reading module runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from arctic_dedup.plan import PrefixSharing
+from torch import nn
+
+from arctic_zorro_train.errors import MissingDependencyError
+from arctic_zorro_train.logprobs import LogitsMode
+from arctic_zorro_train.patching import ZorroPatch, apply_zorro
+from arctic_zorro_train.settings import ZorroSettings
+
+__all__ = ["ZorroTrainConfig", "install_zorro_for_deepspeed"]
+
+
+@dataclass(frozen=True)
+class ZorroTrainConfig:
+    """The ``zorro_train`` section of an engine config. ``enable`` turns the patch on; the rest maps to
+    ``ZorroSettings``."""
+
+    enable: bool = False
+    use_split_attention: bool = True
+    attention_backend: str = "auto"
+    logits_mode: LogitsMode = "none"
+    logits_chunk_size: int = 1024
+    fp32_logits: bool = False
+    sharing: PrefixSharing = "prompt"
+    response_length: int | None = None
+    temperature: float = 1.0
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any]) -> ZorroTrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(section) - known
+        if unknown:
+            raise ValueError(
+                f"unknown zorro_train option(s) {sorted(unknown)}; known options: {sorted(known)}."
+            )
+        return cls(**section)
+
+    def settings(self) -> ZorroSettings:
+        return ZorroSettings(
+            use_split_attention=self.use_split_attention,
+            attention_backend=self.attention_backend,
+            logits_mode=self.logits_mode,
+            logits_chunk_size=self.logits_chunk_size,
+            fp32_logits=self.fp32_logits,
+            sharing=self.sharing,
+            response_length=self.response_length,
+            temperature=self.temperature,
+        )
+
+
+def _zorro_section(config: ZorroTrainConfig | Mapping[str, Any] | None) -> ZorroTrainConfig:
+    if config is None:
+        return ZorroTrainConfig()
+    if isinstance(config, ZorroTrainConfig):
+        return config
+    section = config.get("zorro_train", config) if isinstance(config, Mapping) else config
+    if isinstance(section, ZorroTrainConfig):
+        return section
+    return ZorroTrainConfig.from_mapping(section)
+
+
+def _is_zero3_partitioned(module: nn.Module) -> bool:
+    return any(hasattr(parameter, "ds_id") for parameter in module.parameters())
+
+
+def _register_external_parameters(patch: ZorroPatch) -> None:
+    try:
+        from deepspeed.zero import register_external_parameter
+    except ImportError as error:
+        raise MissingDependencyError(
+            "the model's parameters are ZeRO-3 partitioned but deepspeed cannot be imported; install "
+            "`arctic-zorro-train[deepspeed]`."
+        ) from error
+    for module in patch.linear_attention_modules:
+        register_external_parameter(module, module.conv1d.weight)
+    if patch.settings.fp32_logits:
+        register_external_parameter(patch.model, patch.lm_head.weight)
+
+
+def install_zorro_for_deepspeed(
+    engine_or_model: Any, config: ZorroTrainConfig | Mapping[str, Any] | None
+) -> ZorroPatch | None:
+    """Patch the engine's model when ``zorro_train.enable`` is set; return the patch (None when disabled).
+
+    ``config`` is a ``ZorroTrainConfig``, the ``zorro_train`` mapping, or a whole engine config holding one.
+    Afterwards ``engine(input_ids=..., attention_mask=..., position_ids=..., responses=...)`` returns a
+    ``ZorroOutput``. Idempotent.
+    """
+    section = _zorro_section(config)
+    if not section.enable:
+        return None
+    model = getattr(engine_or_model, "module", engine_or_model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"expected a DeepSpeed engine or an nn.Module, got {type(engine_or_model).__name__}."
+        )
+    patch = apply_zorro(model, settings=section.settings())
+    if _is_zero3_partitioned(model):
+        _register_external_parameters(patch)
+    return patch

@@ -1,0 +1,269 @@
+"""Gated DeltaNet (linear attention) over a prefix tree: each node runs once, children start from the parent's state.
+
+Two pieces of state cross a node boundary:
+
+* the conv tail: the depthwise causal conv of width ``K`` reads the ``K - 1`` previous tokens *along the sample's
+  path*, which for the first tokens of a node are its ancestors' last tokens (possibly several ancestors up when a
+  node is shorter than ``K - 1``). The conv runs once over the packed stream and only the first ``K - 1`` tokens of
+  every node are recomputed from their path predecessors (``GatedDeltaSchedule.fix_lags``);
+* the recurrent state: nodes run level by level (roots first), each level as one batch whose initial states are
+  the parents' final states. Feeding the same parent state to every child makes autograd sum the children's
+  gradients into it, which is the exact gradient of the shared prefix.
+
+The chunked kernel is flash-linear-attention's ``chunk_gated_delta_rule`` (varlen) on CUDA when it is installed,
+and transformers' torch fallback otherwise (nodes right-padded to the level's longest node with ``beta = 0`` and
+``g = 0``, which leaves the state untouched, so the final states stay exact).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from arctic_dedup import Plan
+from torch import nn
+
+from arctic_zorro_train.families import GatedDeltaInputs
+
+__all__ = [
+    "GatedDeltaLevel",
+    "GatedDeltaSchedule",
+    "build_gated_delta_schedule",
+    "gated_delta_tree_forward",
+    "tree_causal_conv",
+    "tree_gated_delta_rule",
+]
+
+
+@dataclass(frozen=True)
+class GatedDeltaLevel:
+    """The nodes at one depth. ``m`` nodes, ``n`` tokens.
+
+    token_index ``[n]``: packed positions, node after node; cu_seqlens ``[m+1]`` over them; padded_index
+    ``[m * max_length]``: the same positions right-padded per node with -1; parent_row ``[m]``: the row of each
+    node's parent among the previous level's nodes (None for the roots).
+    """
+
+    token_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    padded_index: torch.Tensor
+    max_length: int
+    parent_row: torch.Tensor | None
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.cu_seqlens.shape[0]) - 1
+
+
+@dataclass(frozen=True)
+class GatedDeltaSchedule:
+    """Everything a Gated DeltaNet layer needs from the plan, built once per micro-batch.
+
+    fix_index ``[F]``: packed positions whose conv window reaches past their node's start; fix_lags ``[F, K]``:
+    column ``L`` is the packed position ``L`` steps earlier along the path (-1 before the sample's start);
+    levels: nodes by depth; level_order_inverse ``[T]``: where each packed token sits in the concatenation of the
+    levels' ``token_index``.
+    """
+
+    conv_width: int
+    fix_index: torch.Tensor
+    fix_lags: torch.Tensor
+    levels: tuple[GatedDeltaLevel, ...]
+    level_order_inverse: torch.Tensor
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``[m * width]``: row ``i`` holds ``starts[i] + j`` for ``j < lengths[i]`` and -1 after."""
+    column = torch.arange(width, device=starts.device)
+    rows = starts[:, None] + column[None, :]
+    return torch.where(column[None, :] < lengths[:, None], rows, -1).reshape(-1)
+
+
+def build_gated_delta_schedule(plan: Plan, conv_width: int) -> GatedDeltaSchedule:
+    """Build the schedule (a few host syncs for the level sizes; nothing inside the layers syncs)."""
+    tree = plan.tree
+    device = plan.device
+    num_tokens = plan.num_packed_tokens
+    packed = torch.arange(num_tokens, device=device)
+    node = plan.token_node
+    node_start = tree.node_start[node]
+    parent = tree.node_parent[node]
+    parent_clamped = parent.clamp_min(0)
+    parent_last = tree.node_start[parent_clamped] + tree.node_length[parent_clamped] - 1
+    # The previous token along the sample's path: inside a node the previous packed token, at a node start the
+    # parent's last token, at a root start nothing.
+    path_previous = torch.where(packed == node_start, torch.where(parent >= 0, parent_last, -1), packed - 1)
+    fix_index = torch.nonzero(packed - node_start < conv_width - 1).squeeze(1)
+    lags = [fix_index]
+    for _ in range(conv_width - 1):
+        previous = lags[-1]
+        lags.append(torch.where(previous >= 0, path_previous[previous.clamp_min(0)], -1))
+    fix_lags = torch.stack(lags, dim=1)
+
+    offsets = tree.level_offsets.tolist()
+    row_in_level = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
+    levels: list[GatedDeltaLevel] = []
+    for depth in range(tree.num_levels):
+        nodes = tree.level_nodes[offsets[depth] : offsets[depth + 1]]
+        lengths = tree.node_length[nodes]
+        starts = tree.node_start[nodes]
+        max_length = int(lengths.max())
+        cu_seqlens = torch.zeros(nodes.numel() + 1, dtype=torch.long, device=device)
+        cu_seqlens[1:] = lengths.cumsum(0)
+        padded_index = _ranges(starts, lengths, max_length)
+        parent_row = None if depth == 0 else row_in_level[tree.node_parent[nodes]]
+        row_in_level[nodes] = torch.arange(nodes.numel(), device=device)
+        levels.append(
+            GatedDeltaLevel(
+                token_index=padded_index[padded_index >= 0],
+                cu_seqlens=cu_seqlens,
+                padded_index=padded_index,
+                max_length=max_length,
+                parent_row=parent_row,
+            )
+        )
+    order = torch.cat([level.token_index for level in levels])
+    inverse = torch.empty_like(order)
+    inverse[order] = packed
+    return GatedDeltaSchedule(
+        conv_width=conv_width,
+        fix_index=fix_index,
+        fix_lags=fix_lags,
+        levels=tuple(levels),
+        level_order_inverse=inverse,
+    )
+
+
+def tree_causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, schedule: GatedDeltaSchedule
+) -> torch.Tensor:
+    """Depthwise causal conv along every sample's path. x ``[T, C]``, weight ``[C, K]`` -> ``[T, C]`` (no activation).
+
+    Matches ``F.conv1d`` with left padding ``K - 1`` on each sample's own sequence.
+    """
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    if width != schedule.conv_width:
+        raise ValueError(f"the conv has width {width} but the schedule was built for {schedule.conv_width}.")
+    x = x.to(weight.dtype)
+    whole = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=channels)
+    whole = whole[0, :, :num_tokens].t()
+    lags = schedule.fix_lags
+    window = x.index_select(0, lags.clamp_min(0).reshape(-1)).view(lags.shape[0], width, channels)
+    window = window * (lags >= 0).unsqueeze(-1).to(window.dtype)
+    # Lag L multiplies weight column K - 1 - L (conv1d is a cross-correlation over the last K inputs).
+    fixed = torch.einsum("flc,cl->fc", window, weight.flip(1))
+    if bias is not None:
+        fixed = fixed + bias
+    return whole.index_copy(0, schedule.fix_index, fixed)
+
+
+def _fla_chunk_rule() -> Callable[..., Any] | None:
+    if importlib.util.find_spec("fla") is None:
+        return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule  # type: ignore[no-any-return]
+
+
+def _masked_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` at ``index``, zeros where ``index`` is -1."""
+    rows = x.index_select(0, index.clamp_min(0))
+    mask = (index >= 0).view(-1, *([1] * (x.dim() - 1)))
+    return rows * mask.to(rows.dtype)
+
+
+def tree_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    schedule: GatedDeltaSchedule,
+    torch_chunk_rule: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+) -> torch.Tensor:
+    """The gated delta rule over the tree. query/key ``[T, H, Dk]``, value ``[T, H, Dv]``, g/beta ``[T, H]``
+    -> ``[T, H, Dv]``. q and k are L2-normalized inside (as transformers' Gated DeltaNet layers ask)."""
+    fla_rule = _fla_chunk_rule() if query.is_cuda else None
+    outputs: list[torch.Tensor] = []
+    final_states: torch.Tensor | None = None
+    for level in schedule.levels:
+        initial = None
+        if level.parent_row is not None and final_states is not None:
+            initial = final_states.index_select(0, level.parent_row)
+        if fla_rule is not None:
+            index = level.token_index
+            out, final_states = fla_rule(
+                query[index].unsqueeze(0),
+                key[index].unsqueeze(0),
+                value[index].unsqueeze(0),
+                g=g[index].unsqueeze(0),
+                beta=beta[index].unsqueeze(0),
+                initial_state=initial,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                cu_seqlens=level.cu_seqlens,
+            )
+            outputs.append(out[0])
+            continue
+        index = level.padded_index
+        shape = (level.num_nodes, level.max_length)
+        out, final_states = torch_chunk_rule(
+            _masked_rows(query, index).view(*shape, *query.shape[1:]),
+            _masked_rows(key, index).view(*shape, *key.shape[1:]),
+            _masked_rows(value, index).view(*shape, *value.shape[1:]),
+            g=_masked_rows(g, index).view(*shape, g.shape[1]),
+            beta=_masked_rows(beta, index).view(*shape, beta.shape[1]),
+            initial_state=initial,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        outputs.append(out.reshape(-1, *out.shape[2:])[index >= 0])
+    return torch.cat(outputs).index_select(0, schedule.level_order_inverse)
+
+
+def _torch_chunk_rule_for(module: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    modeling = sys.modules[type(module).__module__]
+    rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    if rule is None:
+        raise RuntimeError(
+            f"{type(module).__module__} has no `torch_chunk_gated_delta_rule`; this transformers version is not "
+            "supported by arctic-zorro-train's Gated DeltaNet path (tested with transformers 5.17-5.19)."
+        )
+    return rule  # type: ignore[no-any-return]
+
+
+def gated_delta_tree_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    schedule: GatedDeltaSchedule,
+    projections: Callable[[nn.Module, torch.Tensor], GatedDeltaInputs],
+) -> torch.Tensor:
+    """A transformers Gated DeltaNet layer's forward over the packed stream ``[1, T, hidden]`` -> ``[1, T, hidden]``."""
+    from transformers.activations import ACT2FN
+
+    num_tokens = hidden_states.shape[1]
+    inputs = projections(module, hidden_states)
+    conv = module.conv1d
+    mixed = tree_causal_conv(inputs.mixed_qkv, conv.weight[:, 0, :], conv.bias, schedule)
+    mixed = ACT2FN[module.activation](mixed).to(hidden_states.dtype)
+    query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = query.reshape(num_tokens, -1, module.head_k_dim)
+    key = key.reshape(num_tokens, -1, module.head_k_dim)
+    value = value.reshape(num_tokens, -1, module.head_v_dim)
+    beta = inputs.b.sigmoid()
+    # In fp32: with fp16/bf16 weights exp(A_log) could overflow.
+    g = -module.A_log.float().exp() * F.softplus(inputs.a.float() + module.dt_bias)
+    heads_per_key = module.num_v_heads // module.num_k_heads
+    if heads_per_key > 1:
+        query = query.repeat_interleave(heads_per_key, dim=1)
+        key = key.repeat_interleave(heads_per_key, dim=1)
+    core = tree_gated_delta_rule(query, key, value, g, beta, schedule, _torch_chunk_rule_for(module))
+    core = core.to(hidden_states.dtype)
+    gated = module.norm(core.reshape(-1, module.head_v_dim), inputs.z.reshape(-1, module.head_v_dim))
+    return module.out_proj(gated.reshape(1, num_tokens, -1))  # type: ignore[no-any-return]

@@ -1,0 +1,173 @@
+"""Log-probabilities and entropies of response tokens from the hidden states that predict them.
+
+Three logits modes (``M`` response tokens, vocabulary ``V``):
+
+* ``"none"``: one ``[M, V]`` logits tensor, plain autograd (also returned to the caller);
+* ``"compute"``: the ``[M, V]`` logits once, log-softmax and entropy in token chunks (smaller fp32 temporaries);
+* ``"memory"``: never an ``[M, V]`` tensor. Chunks of tokens go through the LM head with no graph; the backward
+  recomputes each chunk's logits and applies the closed-form gradients of log-softmax and entropy. The LM head is
+  called as a module in both passes, so hooks that gather sharded weights (DeepSpeed ZeRO-3) see every use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["LogitsMode", "TokenLogprobs", "token_logprobs"]
+
+LogitsMode = Literal["none", "compute", "memory"]
+LOGITS_MODES: tuple[str, ...] = ("none", "compute", "memory")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """logprobs ``[M]`` fp32; entropy ``[M]`` fp32 or None; logits ``[M, V]`` (mode ``"none"`` only, before the
+    temperature) or None."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+def _head_fn(lm_head: nn.Module, fp32_logits: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    if not fp32_logits:
+        return lm_head  # type: ignore[return-value]
+
+    def fp32_head(hidden: torch.Tensor) -> torch.Tensor:
+        weight = lm_head.weight.float()
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), weight, bias)
+
+    return fp32_head
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    scaled = logits.float()
+    return scaled if temperature == 1.0 else scaled / temperature
+
+
+def _logprob_and_entropy(
+    scaled: torch.Tensor, labels: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    log_norm = torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.gather(-1, labels[:, None]).squeeze(-1) - log_norm
+    if not with_entropy:
+        return logprobs, None
+    probabilities = torch.softmax(scaled, dim=-1)
+    entropy = log_norm - (probabilities * scaled).sum(dim=-1)
+    return logprobs, entropy
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """hidden ``[M, d]`` -> (logprobs ``[M]``, entropy ``[M]``), recomputing logits chunk by chunk in backward.
+
+    The LM head's parameters get their gradients from a nested backward through the head module (as reentrant
+    activation checkpointing does); they are passed in only so autograd knows this node depends on them.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        *head_parameters: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros_like(logprobs)
+        with torch.no_grad():
+            for start in range(0, hidden.shape[0], chunk_size):
+                stop = start + chunk_size
+                scaled = _scaled(head(hidden[start:stop]), temperature)
+                chunk_logprobs, chunk_entropy = _logprob_and_entropy(scaled, labels[start:stop], with_entropy)
+                logprobs[start:stop] = chunk_logprobs
+                if chunk_entropy is not None:
+                    entropy[start:stop] = chunk_entropy
+        ctx.save_for_backward(hidden, labels)
+        ctx.head = head
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        ctx.num_head_parameters = len(head_parameters)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
+        hidden, labels = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden)
+        temperature = ctx.temperature
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            stop = start + ctx.chunk_size
+            with torch.enable_grad():
+                chunk = hidden[start:stop].detach().requires_grad_(True)
+                logits = ctx.head(chunk)
+                with torch.no_grad():
+                    scaled = _scaled(logits, temperature)
+                    log_p = torch.log_softmax(scaled, dim=-1)
+                    p = log_p.exp()
+                    grad_scaled = torch.zeros_like(scaled)
+                    if grad_logprobs is not None:
+                        # d logprob / d z = onehot(label) - p
+                        g = grad_logprobs[start:stop, None]
+                        grad_scaled -= g * p
+                        grad_scaled.scatter_add_(-1, labels[start:stop, None], g)
+                    if grad_entropy is not None and ctx.with_entropy:
+                        # H = -sum p log p, d H / d z = -p (log p + H)
+                        entropy = -(p * log_p).sum(dim=-1, keepdim=True)
+                        grad_scaled -= grad_entropy[start:stop, None] * p * (log_p + entropy)
+                    grad_logits = (grad_scaled / temperature).to(logits.dtype)
+                torch.autograd.backward(logits, grad_logits)
+            if chunk.grad is not None:
+                grad_hidden[start:stop] = chunk.grad
+        return (grad_hidden, None, None, None, None, None, *([None] * ctx.num_head_parameters))
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: nn.Module,
+    *,
+    temperature: float = 1.0,
+    mode: LogitsMode = "none",
+    calculate_entropy: bool = False,
+    chunk_size: int = 1024,
+    fp32_logits: bool = False,
+) -> TokenLogprobs:
+    """Log-probabilities of ``labels [M]`` under ``lm_head(hidden [M, d]) / temperature`` (and entropies).
+
+    ``fp32_logits`` runs the LM head itself in fp32 (otherwise only the softmax math is fp32).
+    """
+    if mode not in LOGITS_MODES:
+        raise ValueError(f"logits mode must be one of {LOGITS_MODES}, got {mode!r}.")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    head = _head_fn(lm_head, fp32_logits)
+    if mode == "memory":
+        parameters = [p for p in lm_head.parameters() if p.requires_grad]
+        logprobs, entropy = _ChunkedHeadLogprobs.apply(
+            hidden, labels, head, temperature, chunk_size, calculate_entropy, *parameters
+        )
+        return TokenLogprobs(logprobs=logprobs, entropy=entropy if calculate_entropy else None, logits=None)
+    logits = head(hidden)
+    if mode == "none":
+        logprobs, entropy = _logprob_and_entropy(_scaled(logits, temperature), labels, calculate_entropy)
+        return TokenLogprobs(logprobs=logprobs, entropy=entropy, logits=logits)
+    pieces = [
+        _logprob_and_entropy(_scaled(logits[start : start + chunk_size], temperature), labels[start : start + chunk_size], calculate_entropy)
+        for start in range(0, logits.shape[0], chunk_size)
+    ]
+    logprobs = torch.cat([piece[0] for piece in pieces])
+    entropy = torch.cat([piece[1] for piece in pieces if piece[1] is not None]) if calculate_entropy else None
+    return TokenLogprobs(logprobs=logprobs, entropy=entropy, logits=None)

@@ -1,0 +1,276 @@
+"""Install and remove zorro-train on a Hugging Face model: explicit, table-driven, idempotent, reversible.
+
+``apply_zorro(model)`` looks the model up in the architecture tables (``families.py``) and then:
+
+1. registers ``"arctic_zorro"`` with transformers' attention interface (once per process);
+2. gives every attention module of the table a config view routing it to tree attention (``attention.py``);
+3. gives every Gated DeltaNet module a forward with a tree path (``gated_delta.py``);
+4. notes the MoE routers (their logits are collected per forward, no patch needed);
+5. optionally replaces ``model.forward`` so ``model(input_ids=..., attention_mask=..., position_ids=...)`` runs the
+   deduplicated forward and returns a ``ZorroOutput``.
+
+Each change is recorded with how to undo it; ``remove_zorro(model)`` restores the model exactly. Without a zorro
+context, patched layers behave like the originals, so a patched model still runs plain batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from arctic_zorro_train.attention import AttentionConfigView, register_zorro_attention
+from arctic_zorro_train.context import CONTEXT_KWARG, ZorroContext
+from arctic_zorro_train.errors import ZorroPatchError
+from arctic_zorro_train.families import ArchitectureTable, GatedDeltaInputs, resolve_architecture
+from arctic_zorro_train.gated_delta import gated_delta_tree_forward
+from arctic_zorro_train.settings import ZorroSettings
+
+__all__ = [
+    "QwenAttentionPatcher",
+    "ZorroPatch",
+    "apply_zorro",
+    "find_backbone",
+    "get_patch",
+    "is_patched",
+    "remove_zorro",
+]
+
+PATCH_ATTRIBUTE = "_arctic_zorro_patch"
+_ABSENT = object()
+
+
+def _set_attribute(target: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set ``target.name`` (bypassing nn.Module registration) and return the undo."""
+    previous = target.__dict__.get(name, _ABSENT)
+    object.__setattr__(target, name, value)
+
+    def undo() -> None:
+        if previous is _ABSENT:
+            object.__delattr__(target, name)
+        else:
+            object.__setattr__(target, name, previous)
+
+    return undo
+
+
+class QwenAttentionPatcher:
+    """Route one attention module (any transformers attention that calls the attention interface) to zorro attention.
+
+    ``patch()`` swaps the module's ``config`` for an ``AttentionConfigView`` (idempotent: patching a patched module
+    only updates its mode); ``unpatch()`` puts the original config back. ``attn_implementation`` is what the module
+    falls back to when called without a zorro context (default: the implementation it was loaded with).
+    """
+
+    def __init__(
+        self, attention_layer: nn.Module, use_split_attention: bool = True, attn_implementation: str | None = None
+    ) -> None:
+        if not hasattr(attention_layer, "config"):
+            raise ZorroPatchError(
+                f"{type(attention_layer).__name__} has no `config`; QwenAttentionPatcher expects a transformers "
+                "attention module (e.g. Qwen3Attention) that dispatches through config._attn_implementation."
+            )
+        self.attention_layer = attention_layer
+        self.use_split_attention = use_split_attention
+        self.attn_implementation = attn_implementation
+        self._undo: Callable[[], None] | None = None
+
+    @property
+    def is_patched(self) -> bool:
+        return isinstance(self.attention_layer.config, AttentionConfigView)
+
+    def patch(self) -> QwenAttentionPatcher:
+        register_zorro_attention()
+        config = self.attention_layer.config
+        if isinstance(config, AttentionConfigView):
+            config.zorro_use_split_attention = self.use_split_attention
+            if self.attn_implementation is not None:
+                config.zorro_fallback_implementation = self.attn_implementation
+            return self
+        fallback = self.attn_implementation or config._attn_implementation or "eager"
+        view = AttentionConfigView(config, fallback, self.use_split_attention)
+        self._undo = _set_attribute(self.attention_layer, "config", view)
+        return self
+
+    def unpatch(self) -> None:
+        config = self.attention_layer.config
+        if isinstance(config, AttentionConfigView):
+            object.__setattr__(self.attention_layer, "config", config.zorro_base_config)
+        self._undo = None
+
+
+def _gated_delta_forward(
+    module: nn.Module, projections: Callable[[nn.Module, torch.Tensor], GatedDeltaInputs]
+) -> Callable[..., torch.Tensor]:
+    original = type(module).forward
+
+    def forward(
+        hidden_states: torch.Tensor,
+        cache_params: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        context: ZorroContext | None = kwargs.pop(CONTEXT_KWARG, None)
+        if context is None:
+            return original(module, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)  # type: ignore[no-any-return]
+        if cache_params is not None or context.gated_delta is None:
+            raise ZorroPatchError(
+                "a Gated DeltaNet layer got a zorro context without a schedule or with a cache; deduplicated runs "
+                "are training/log-prob forwards with use_cache=False."
+            )
+        return gated_delta_tree_forward(module, hidden_states, context.gated_delta, projections)
+
+    return forward
+
+
+def find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(text backbone, LM head) of a causal LM or a VLM wrapper whose text model is supported."""
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inner = getattr(model, "model", None)
+    backbone = getattr(inner, "language_model", inner)
+    if lm_head is None or backbone is None or not hasattr(backbone, "embed_tokens"):
+        raise ZorroPatchError(
+            f"could not find the text backbone and LM head of {type(model).__name__}; pass the *ForCausalLM or "
+            "*ForConditionalGeneration model (with `.model` and an output embedding), not a bare backbone."
+        )
+    return backbone, lm_head
+
+
+@dataclass
+class ZorroPatch:
+    """The record of one installed patch: what was found, the settings, and how to undo every change."""
+
+    model: nn.Module
+    architecture: ArchitectureTable
+    backbone: nn.Module
+    lm_head: nn.Module
+    settings: ZorroSettings
+    attention_patchers: list[QwenAttentionPatcher]
+    linear_attention_modules: list[nn.Module]
+    routers: list[nn.Module]
+    forward_patched: bool = False
+    _undo: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def text_config(self) -> Any:
+        return self.backbone.config
+
+    @property
+    def needs_reconstruct(self) -> bool:
+        return any(not patcher.use_split_attention for patcher in self.attention_patchers)
+
+    def remove(self) -> None:
+        for patcher in self.attention_patchers:
+            patcher.unpatch()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def get_patch(model: nn.Module) -> ZorroPatch:
+    patch = model.__dict__.get(PATCH_ATTRIBUTE)
+    if patch is None:
+        raise ZorroPatchError(
+            f"{type(model).__name__} is not patched for zorro-train; call apply_zorro(model) (or "
+            "Qwen3ModelOncePatcher(model).patch(...)) first."
+        )
+    return patch  # type: ignore[no-any-return]
+
+
+def is_patched(model: nn.Module) -> bool:
+    return PATCH_ATTRIBUTE in model.__dict__
+
+
+def apply_zorro(
+    model: nn.Module,
+    *,
+    settings: ZorroSettings | None = None,
+    patch_forward: bool = True,
+    attn_implementation: str | None = None,
+    **setting_overrides: Any,
+) -> ZorroPatch:
+    """Patch ``model`` for deduplicated training. Idempotent: on a patched model it updates the settings.
+
+    Args:
+        model: a supported ``*ForCausalLM`` or ``*ForConditionalGeneration`` (text backbone supported).
+        settings: a ``ZorroSettings``; keyword overrides (``use_split_attention=False``, ``logits_mode="memory"``,
+            ``response_length=512``, ...) apply on top.
+        patch_forward: also replace ``model.forward`` by the deduplicated forward (``zorro_model_forward``).
+        attn_implementation: what attention layers fall back to without a zorro context (default: as loaded).
+
+    Raises:
+        UnsupportedModelError: the architecture has no table (the message lists the supported ones).
+    """
+    architecture = resolve_architecture(model)
+    settings = replace(settings or ZorroSettings(), **setting_overrides)
+    if is_patched(model):
+        patch = get_patch(model)
+        patch.settings = settings
+        for patcher in patch.attention_patchers:
+            patcher.use_split_attention = settings.use_split_attention
+            patcher.patch()
+        if patch_forward and not patch.forward_patched:
+            _patch_forward(patch)
+        return patch
+    backbone, lm_head = find_backbone(model)
+    patchers: list[QwenAttentionPatcher] = []
+    linear_attention: list[nn.Module] = []
+    routers: list[nn.Module] = []
+    for module in model.modules():
+        name = type(module).__name__
+        if name in architecture.attention_classes:
+            patchers.append(QwenAttentionPatcher(module, settings.use_split_attention, attn_implementation))
+        elif architecture.linear_attention is not None and name in architecture.linear_attention.class_names:
+            linear_attention.append(module)
+        elif name in architecture.router_classes:
+            routers.append(module)
+    if not patchers:
+        raise ZorroPatchError(
+            f"found no attention module of {architecture.attention_classes} in {type(model).__name__}; this "
+            "transformers version may have renamed them (tested with transformers 5.17-5.19)."
+        )
+    patch = ZorroPatch(
+        model=model,
+        architecture=architecture,
+        backbone=backbone,
+        lm_head=lm_head,
+        settings=settings,
+        attention_patchers=patchers,
+        linear_attention_modules=linear_attention,
+        routers=routers,
+    )
+    for patcher in patchers:
+        patcher.patch()
+    if architecture.linear_attention is not None:
+        projections = architecture.linear_attention.projections
+        for module in linear_attention:
+            patch._undo.append(_set_attribute(module, "forward", _gated_delta_forward(module, projections)))
+    patch._undo.append(_set_attribute(model, PATCH_ATTRIBUTE, patch))
+    if patch_forward:
+        _patch_forward(patch)
+    return patch
+
+
+def _patch_forward(patch: ZorroPatch) -> None:
+    from arctic_zorro_train.forward import zorro_model_forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return zorro_model_forward(patch.model, *args, **kwargs)
+
+    undo = _set_attribute(patch.model, "forward", forward)
+
+    def undo_forward() -> None:
+        undo()
+        patch.forward_patched = False
+
+    patch._undo.append(undo_forward)
+    patch.forward_patched = True
+
+
+def remove_zorro(model: nn.Module) -> None:
+    """Undo ``apply_zorro`` (no-op on an unpatched model)."""
+    if is_patched(model):
+        get_patch(model).remove()

@@ -1,0 +1,44 @@
+"""How a patched model runs deduplicated batches (one immutable settings object per patch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from arctic_dedup.plan import PrefixSharing
+
+from arctic_zorro_train.logprobs import LOGITS_MODES, LogitsMode
+
+__all__ = ["ZorroSettings"]
+
+
+@dataclass(frozen=True)
+class ZorroSettings:
+    """use_split_attention: tree attention (True) or reconstruct-then-attend (False, slower, exact);
+    attention_backend: ``tree_attention``'s backend (``"auto"``, ``"reference"``, ``"flex"``, ``"triton"``);
+    logits_mode / logits_chunk_size / fp32_logits: see ``token_logprobs``; sharing: ``"prompt"`` or ``"trie"``;
+    response_length / temperature / rollout_n: defaults for calls of the patched ``model(...)`` (``rollout_n`` is
+    informational: groups are found from the token ids, whatever their size); deduplicate: False runs the same
+    packed path without sharing (the baseline)."""
+
+    use_split_attention: bool = True
+    attention_backend: str = "auto"
+    logits_mode: LogitsMode = "none"
+    logits_chunk_size: int = 1024
+    fp32_logits: bool = False
+    sharing: PrefixSharing = "prompt"
+    response_length: int | None = None
+    temperature: float = 1.0
+    rollout_n: int | None = None
+    deduplicate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.logits_mode not in LOGITS_MODES:
+            raise ValueError(f"logits_mode must be one of {LOGITS_MODES}, got {self.logits_mode!r}.")
+        if self.sharing not in ("prompt", "trie"):
+            raise ValueError(f"sharing must be 'prompt' or 'trie', got {self.sharing!r}.")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if self.logits_chunk_size < 1:
+            raise ValueError(f"logits_chunk_size must be >= 1, got {self.logits_chunk_size}.")
+        if self.response_length is not None and self.response_length < 0:
+            raise ValueError(f"response_length must be >= 0, got {self.response_length}.")

@@ -1,0 +1,207 @@
+"""Helpers for tests, examples and benchmarks: tiny random-init configs of every supported family and the plain
+per-sample reference run that deduplicated results are compared with."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from arctic_dedup.testing import create_dummy_batch
+from torch import nn
+
+from arctic_zorro_train.families import resolve_architecture
+from arctic_zorro_train.moe import collect_router_logits
+
+__all__ = [
+    "FAMILIES",
+    "ReferenceOutputs",
+    "build_model",
+    "create_dummy_batch",
+    "per_sample_reference",
+    "tiny_config",
+]
+
+# Family name -> what tiny_config builds. "*_vlm" are the Qwen3.5 image-text wrappers around the text models.
+FAMILIES: tuple[str, ...] = (
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_vlm",
+    "qwen3_5_moe_vlm",
+    "llama",
+    "mistral",
+    "qwen2",
+)
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+_MOE: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.1,
+}
+_LINEAR: dict[str, Any] = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "num_hidden_layers": 4,
+}
+
+
+def _text_config(family: str, overrides: Mapping[str, Any]) -> Any:
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
+
+    dense = {"intermediate_size": 128}
+    builders: dict[str, tuple[Any, dict[str, Any]]] = {
+        "qwen3": (Qwen3Config, dense),
+        "qwen3_moe": (Qwen3MoeConfig, {**dense, **_MOE, "decoder_sparse_step": 1}),
+        "qwen3_next": (
+            Qwen3NextConfig,
+            {**dense, **_MOE, **_LINEAR, "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1},
+        ),
+        "qwen3_5": (Qwen3_5TextConfig, {**dense, **_LINEAR}),
+        "qwen3_5_moe": (Qwen3_5MoeTextConfig, {**_MOE, **_LINEAR, "shared_expert_intermediate_size": 32}),
+        "llama": (LlamaConfig, dense),
+        "mistral": (MistralConfig, {**dense, "sliding_window": 6}),
+        "qwen2": (Qwen2Config, dense),
+    }
+    config_class, defaults = builders[family]
+    return config_class(**{**_COMMON, **defaults, **overrides})
+
+
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """A transformers config of ``family`` (see ``FAMILIES``) small enough for CPU tests; overrides apply to the
+    text config."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}.")
+    if not family.endswith("_vlm"):
+        return _text_config(family, overrides)
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    text_family = family.removesuffix("_vlm")
+    text = _text_config(text_family, overrides).to_dict()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    wrapper = Qwen3_5Config if text_family == "qwen3_5" else Qwen3_5MoeConfig
+    return wrapper(text_config=text, vision_config=vision, image_token_id=125, video_token_id=126,
+                   vision_start_token_id=124, vision_end_token_id=127)
+
+
+def build_model(
+    config: Any, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager", seed: int = 0
+) -> nn.Module:
+    """A random-init causal LM (or image-text model, for a VLM config) in ``dtype``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    loader = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    config._attn_implementation = attn_implementation
+    model = loader.from_config(config, dtype=dtype)
+    # Norm weights start at exactly 1 (or 0 for Qwen3.5's zero-centred norms); perturb them so that gradient
+    # checks see every parameter's effect.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class ReferenceOutputs:
+    """Per-sample reference: logprobs / entropy ``[M]`` in sample order, router logits per MoE layer concatenated
+    over samples (``[N, E]``, N = all valid tokens of all samples)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...]
+
+
+def _moe_routers(model: nn.Module) -> list[nn.Module]:
+    table = resolve_architecture(model)
+    return [module for module in model.modules() if type(module).__name__ in table.router_classes]
+
+
+def per_sample_reference(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], response_length: int, temperature: float = 1.0
+) -> ReferenceOutputs:
+    """Run the plain model on each sample's valid tokens alone (its own position ids) and read the response
+    tokens' logprobs and entropies: what a deduplicated forward must reproduce. Keeps the autograd graph."""
+    logprobs: list[torch.Tensor] = []
+    entropies: list[torch.Tensor] = []
+    per_layer: list[list[torch.Tensor]] = []
+    mask = batch["attention_mask"].bool()
+    for row in range(mask.shape[0]):
+        valid = mask[row]
+        ids = batch["input_ids"][row][valid].unsqueeze(0)
+        positions = batch["position_ids"][row][valid].unsqueeze(0)
+        prompt = int(valid[: valid.shape[0] - response_length].sum())
+        total = int(valid.sum())
+        with collect_router_logits(_moe_routers(model)) as router_logits:
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        scaled = logits[prompt - 1 : total - 1].float() / temperature
+        log_p = torch.log_softmax(scaled, dim=-1)
+        logprobs.append(log_p.gather(-1, ids[0, prompt:total, None]).squeeze(-1))
+        entropies.append(-(log_p.exp() * log_p).sum(-1))
+        for layer, layer_logits in enumerate(router_logits):
+            if layer == len(per_layer):
+                per_layer.append([])
+            per_layer[layer].append(layer_logits)
+    return ReferenceOutputs(
+        logprobs=torch.cat(logprobs),
+        entropy=torch.cat(entropies),
+        router_logits=tuple(torch.cat(layer) for layer in per_layer),
+    )
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` (absolute error when ``expected`` is zero)."""
+    difference = float((actual.double() - expected.double()).norm())
+    scale = float(expected.double().norm())
+    return difference / scale if scale > 0 else difference
+
+
+def gradient_errors(
+    model: nn.Module, reference_grads: Mapping[str, torch.Tensor]
+) -> dict[str, float]:
+    """Relative L2 error of every parameter gradient against ``reference_grads`` (name -> gradient)."""
+    errors = {}
+    for name, parameter in model.named_parameters():
+        if name not in reference_grads:
+            continue
+        grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+        errors[name] = relative_error(grad, reference_grads[name])
+    return errors
+
+
+def collect_grads(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Clone every parameter's gradient (zeros where none)."""
+    return {
+        name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for name, p in model.named_parameters()
+        if names is None or name in names
+    }
