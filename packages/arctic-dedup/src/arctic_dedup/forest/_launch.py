@@ -86,6 +86,11 @@ def launch_forest_decode(
     upcast = interpreting() or query.dtype == torch.float32
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     scale_log2 = float(scale) * 1.4426950408889634
+    # 256-wide heads: 4 warps spill the prefix accumulator and 128-token tiles overflow shared memory (ptxas report).
+    wide = head_block >= 256
+    prefix_warps = max(config.prefix_num_warps, 8) if wide else config.prefix_num_warps
+    prefix_block_n = min(config.prefix_block_n, 64) if wide else config.prefix_block_n
+    suffix_block_n = min(config.suffix_block_n, 64) if wide else config.suffix_block_n
     device = query.device
     table = plan.block_table
     k_strides = key_cache.stride()
@@ -129,7 +134,7 @@ def launch_forest_decode(
         QMAX=query_max,
         PAGE=plan.block_size,
         BLOCK_M=suffix_block_m,
-        BLOCK_N=config.suffix_block_n,
+        BLOCK_N=suffix_block_n,
         HEAD_DIM=head_block,
         UPCAST=upcast,
         DOT_PRECISION=precision,
@@ -180,11 +185,11 @@ def launch_forest_decode(
             QMAX=query_max,
             PAGE=plan.block_size,
             BLOCK_M=prefix_block_m,
-            BLOCK_N=config.prefix_block_n,
+            BLOCK_N=prefix_block_n,
             HEAD_DIM=head_block,
             UPCAST=upcast,
             DOT_PRECISION=precision,
-            num_warps=config.prefix_num_warps,
+            num_warps=prefix_warps,
             num_stages=config.prefix_num_stages,
         )
     else:
