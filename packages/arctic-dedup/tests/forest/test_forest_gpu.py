@@ -1,0 +1,194 @@
+"""forest_decode and paged_decode on CUDA in bf16 against the fp32 reference (run by ``nox -s gpu_tests``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from arctic_dedup.forest import (
+    ForestKernelConfig,
+    forest_decode,
+    paged_decode,
+    plan_forest,
+    plan_paged,
+    reference_paged_attention,
+)
+from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _random_batch(seed: int, block_size: int, queries_per_kv: int, head_dim: int, max_query_len: int) -> DecodeBatch:
+    rng = random.Random(seed)
+    num_groups = rng.randint(1, 5)
+    root = rng.choice([0, 1])
+    prefix_lens = [rng.randint(root * block_size + 1, 700) for _ in range(num_groups)]
+    suffix_lens = [[rng.choice([0, rng.randint(1, 300)]) for _ in range(rng.randint(1, 9))] for _ in prefix_lens]
+    query_lens = [[rng.randint(1, max_query_len) for _ in group] for group in suffix_lens]
+    return make_decode_batch(
+        prefix_lens,
+        suffix_lens,
+        query_lens=query_lens,
+        root_blocks=root,
+        block_size=block_size,
+        num_kv_heads=2,
+        queries_per_kv=queries_per_kv,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device="cuda",
+        shuffle=True,
+        seed=seed,
+    )
+
+
+def _check(out: torch.Tensor, lse: torch.Tensor, batch: DecodeBatch, scale: float) -> None:
+    ref_out, ref_lse = reference_paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, scale
+    )
+    out, lse = out.float().cpu(), lse.cpu()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    error = ((out - ref_out).norm() / ref_out.norm()).item()
+    assert error < 1.5e-2, f"relative error {error:.2e}"
+    assert torch.allclose(lse, ref_lse, atol=5e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("queries_per_kv", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_forest_decode_bf16_matches_reference(block_size: int, queries_per_kv: int, head_dim: int) -> None:
+    seed = block_size * 1000 + queries_per_kv * 10 + head_dim
+    batch = _random_batch(seed, block_size, queries_per_kv, head_dim, max_query_len=1 + seed % 4)
+    scale = head_dim**-0.5
+    plan = plan_forest(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=block_size,
+        num_cache_blocks=batch.key_cache.shape[0],
+        max_query_len=batch.max_query_len,
+        queries_per_kv=queries_per_kv,
+        num_kv_heads=2,
+        config=ForestKernelConfig(split_granularity=64),
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    lse = torch.full(batch.query.shape[:2], float("nan"), device="cuda")
+    forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, scale, out=out, lse=lse)
+    _check(out, lse, batch, scale)
+    paged_out, paged_lse = paged_decode(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        scale,
+        max_query_len=batch.max_query_len,
+    )
+    _check(paged_out, paged_lse, batch, scale)
+
+
+def test_head_major_cache_and_fp32() -> None:
+    batch = make_decode_batch(
+        [300, 129], [[0, 40, 7], [3, 90]], queries_per_kv=4, head_dim=128, device="cuda", head_major_cache=True, seed=5
+    )
+    plan = plan_forest(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=16,
+        num_cache_blocks=batch.key_cache.shape[0],
+        max_query_len=1,
+        queries_per_kv=4,
+        num_kv_heads=2,
+    )
+    out, lse = forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.1)
+    ref_out, ref_lse = reference_paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 0.1
+    )
+    assert ((out.cpu() - ref_out).norm() / ref_out.norm()).item() < 1e-4
+    assert torch.allclose(lse.cpu(), ref_lse, atol=1e-4)
+
+
+def test_no_sharing_equals_paged_decode_bitwise() -> None:
+    batch = make_decode_batch(
+        [500, 333, 64], [[1], [70], [0]], queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=6
+    )
+    plan = plan_forest(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=16,
+        num_cache_blocks=batch.key_cache.shape[0],
+        max_query_len=1,
+        queries_per_kv=4,
+        num_kv_heads=2,
+    )
+    forest_out, forest_lse = forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.1)
+    paged = plan_paged(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=16,
+        max_query_len=1,
+        queries_per_kv=4,
+        num_kv_heads=2,
+    )
+    paged_out, paged_lse = forest_decode(batch.query, batch.key_cache, batch.value_cache, paged, 0.1)
+    assert torch.equal(forest_out, paged_out) and torch.equal(forest_lse, paged_lse)
+
+
+def test_plan_and_decode_capture_in_a_cuda_graph() -> None:
+    batch = make_decode_batch(
+        [400, 250],
+        [[5, 60, 0, 9], [30, 2]],
+        queries_per_kv=4,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        device="cuda",
+        shuffle=True,
+        seed=7,
+    )
+    table, seq_lens = batch.block_table.clone(), batch.seq_lens.clone()
+    out = torch.empty_like(batch.query)
+    lse = torch.empty(batch.query.shape[:2], device="cuda")
+
+    def step() -> None:
+        plan = plan_forest(
+            table,
+            seq_lens,
+            batch.query_start_loc,
+            block_size=16,
+            num_cache_blocks=batch.key_cache.shape[0],
+            max_query_len=1,
+            queries_per_kv=4,
+            num_kv_heads=2,
+        )
+        forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.1, out=out, lse=lse)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # Replay with the requests reordered and fresh values: the plan is rebuilt inside the graph.
+    order = torch.randperm(table.shape[0], device="cuda")
+    table.copy_(batch.block_table[order])
+    seq_lens.copy_(batch.seq_lens[order])
+    batch.query.normal_()
+    batch.key_cache.normal_()
+    batch.value_cache.normal_()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, _ = reference_paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, table, seq_lens, batch.query_start_loc, 0.1
+    )
+    assert ((out.float().cpu() - ref_out).norm() / ref_out.norm()).item() < 1.5e-2
