@@ -66,7 +66,7 @@ def test_pack_unpack_round_trip_and_gradients(batch: PaddedBatch, backend: str, 
     per_sample = unpack(packed, plan, backend=backend)  # type: ignore[arg-type]
     padded = unpack(packed, plan, padded=True, fill_value=7.0, backend=backend)  # type: ignore[arg-type]
     assert torch.equal(pack(per_sample, plan, backend=backend), packed)  # type: ignore[arg-type]
-    assert torch.equal(pack(padded, plan, backend=backend), packed)  # type: ignore[arg-type]
+    assert torch.equal(pack(padded, plan, padded=True, backend=backend), packed)  # type: ignore[arg-type]
     mask = batch.attention_mask.bool()
     assert bool((padded[~mask] == 7.0).all())
     assert torch.equal(padded[mask], per_sample)
@@ -89,3 +89,5 @@ def test_plan_mismatch_is_reported() -> None:
         unpack(torch.zeros(plan.num_packed_tokens + 1, 2), plan)
     with pytest.raises(PlanError, match="pack expects"):
         pack(torch.zeros(5, 2), plan)
+    with pytest.raises(PlanError, match=r"expects \[B, S, \*\]"):
+        pack(torch.zeros(2, 4), plan, padded=True)

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-def"
 """Triton kernels for row gathers and deterministic segmented row sums (``@triton.jit`` code only)."""
 
 import triton

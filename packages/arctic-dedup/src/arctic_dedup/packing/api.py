@@ -44,19 +44,24 @@ def unpack(
     return gather_rows(packed, plan.unpack_map, fill_value=fill_value, backend=backend)
 
 
-def pack(x: torch.Tensor, plan: Plan, *, backend: Backend = "auto") -> torch.Tensor:
-    """Deduplicate per-sample tensors into the packed stream: ``[N, *]`` or ``[B, S, *]`` -> ``[T, *]``.
+def pack(x: torch.Tensor, plan: Plan, *, padded: bool = False, backend: Backend = "auto") -> torch.Tensor:
+    """Deduplicate per-sample tensors into the packed stream: ``[N, *]`` (or ``[B, S, *]`` with ``padded=True``)
+    -> ``[T, *]``.
 
     Each shared token is taken from the first sample that contains it. The gradient flows back to that copy only
-    (the exact derivative of the selection). ``unpack(pack(x))`` equals ``x`` when shared copies agree.
+    (the exact derivative of the selection). ``pack(unpack(y))`` equals ``y``.
     """
-    padded_shape = plan.layout.padded_shape
-    if padded_shape is not None and x.dim() >= 2 and tuple(x.shape[:2]) == padded_shape and plan.pack_padded_map:
+    if padded:
+        padded_shape = plan.layout.padded_shape
+        if plan.pack_padded_map is None or padded_shape is None:
+            raise PlanError("pack(padded=True) needs a plan built from a padded batch; use padded=False.")
+        if x.dim() < 2 or tuple(x.shape[:2]) != padded_shape:
+            raise PlanError(f"pack(padded=True) expects [B, S, *] = {padded_shape}, got {tuple(x.shape)}.")
         flat = x.reshape(padded_shape[0] * padded_shape[1], *x.shape[2:])
         return gather_rows(flat, plan.pack_padded_map, backend=backend)
     if x.dim() < 1 or x.shape[0] != plan.num_sample_tokens:
         raise PlanError(
-            f"pack expects [N={plan.num_sample_tokens}, *] (unpadded) or [B, S, *] = {padded_shape} (padded), got "
-            f"{tuple(x.shape)}."
+            f"pack expects [N={plan.num_sample_tokens}, *] (every sample's valid tokens), got {tuple(x.shape)}; "
+            "pass padded=True for a [B, S, *] tensor."
         )
     return gather_rows(x, plan.pack_map, backend=backend)

@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: run metadata, event timing (median), result files and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def default_out_dir() -> Path:
+    return Path(os.environ.get("OUT") or RESULTS_DIR)
+
+
+def run_metadata() -> dict[str, Any]:
+    """Date, commit, device and versions, written next to every number."""
+    commit = os.environ.get("ARCTIC_COMMIT")
+    if not commit:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, check=False
+        )
+        commit = result.stdout.strip() or "unknown"
+    versions = {"torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = "not installed"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit, "device": device, "versions": versions}
+
+
+def cuda_time_ms(fn: Callable[[], Any], *, warmup: int = 5, repeats: int = 30) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` runs, each timed with CUDA events after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    milliseconds = cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeats=20)
+    return 2 * src.numel() * src.element_size() / milliseconds / 1e6
+
+
+def write_results(out_dir: Path, name: str, summary: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"meta": run_metadata(), "summary": summary, "rows": rows}, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = [max(len(column), *(len(_cell(row.get(column))) for row in rows)) for column in columns]
+    print("  ".join(column.rjust(width) for column, width in zip(columns, widths, strict=True)))
+    for row in rows:
+        print("  ".join(_cell(row.get(column)).rjust(width) for column, width in zip(columns, widths, strict=True)))
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return "" if value is None else str(value)

