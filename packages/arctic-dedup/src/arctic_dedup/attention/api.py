@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal, get_args, overload
 
 import torch
 
+from arctic_dedup._triton_support import interpreting, triton_available
 from arctic_dedup.attention.auto import BACKENDS, ConcreteBackend, TreeAttentionBackend, choose_backend
 from arctic_dedup.attention.reference import tree_attention_reference
 from arctic_dedup.errors import PlanError
@@ -77,6 +78,16 @@ def _check_inputs(
         raise ValueError(f"backend must be one of {get_args(TreeAttentionBackend)}, got {backend!r}.")
 
 
+def _require_triton(query: torch.Tensor) -> None:
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the `triton` package (pip install triton); use backend='flex'.")
+    if not (query.is_cuda or (query.device.type == "cpu" and interpreting())):
+        raise RuntimeError(
+            f"backend='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1, set before triton is "
+            f"imported, for tests); got a {query.device.type} tensor. Use backend='flex' or 'reference' there."
+        )
+
+
 def _run_backend(
     backend: ConcreteBackend,
     query: torch.Tensor,
@@ -113,6 +124,20 @@ def _run_backend(
             sliding_window=sliding_window,
             softcap=softcap,
             return_lse=return_lse,
+        )
+    if backend == "triton":
+        from arctic_dedup.attention.function import triton_tree_attention
+
+        _require_triton(query)
+        return triton_tree_attention(
+            query,
+            key,
+            value,
+            plan,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            deterministic=deterministic,
         )
     raise NotImplementedError(f"backend={backend!r} is not available yet; use 'flex', 'reference' or 'auto'.")
 
