@@ -86,17 +86,19 @@ def make_decode_batch(
     query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(counts, 0)
     num_heads = num_kv_heads * queries_per_kv
-    query = torch.randn(int(counts.sum()), num_heads, head_dim, generator=generator).to(dtype)
+    # Values are drawn on the target device so large benchmark caches need no host copy.
+    values = torch.Generator(device=device).manual_seed(seed)
+    query = torch.randn(int(counts.sum()), num_heads, head_dim, generator=values, device=device, dtype=dtype)
     if head_major_cache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        key_cache = torch.randn(shape, generator=generator).to(dtype).to(device).permute(0, 2, 1, 3)
-        value_cache = torch.randn(shape, generator=generator).to(dtype).to(device).permute(0, 2, 1, 3)
+        key_cache = torch.randn(shape, generator=values, device=device, dtype=dtype).permute(0, 2, 1, 3)
+        value_cache = torch.randn(shape, generator=values, device=device, dtype=dtype).permute(0, 2, 1, 3)
     else:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        key_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
-        value_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
+        key_cache = torch.randn(shape, generator=values, device=device, dtype=dtype)
+        value_cache = torch.randn(shape, generator=values, device=device, dtype=dtype)
     return DecodeBatch(
-        query=query.to(device),
+        query=query,
         key_cache=key_cache,
         value_cache=value_cache,
         block_table=table.to(device),
