@@ -111,7 +111,8 @@ def _forward_blocks(
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        # Accumulating inside tl.dot keeps the accumulator in the matrix unit's registers (no extra add).
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -282,12 +283,12 @@ def _dkdv_blocks(
                 pos_m = tl.load(pos_ptr + offs_m, mask=row_ok, other=0)
                 visible = visible & ((pos_m[None, :] - pos_n[:, None]) < window)
             pT = tl.where(visible, pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT = dsT * dcap
-        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PRECISION)
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION) * scale
             dq_ptrs = dq_head_ptr + offs_m[:, None] * stride_dqt + offs_d[None, :]
@@ -449,7 +450,7 @@ def _dq_blocks(
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * dcap
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PRECISION)
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PRECISION)
     return dq
 
 

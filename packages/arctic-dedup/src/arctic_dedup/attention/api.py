@@ -139,7 +139,9 @@ def _run_backend(
             softcap=softcap,
             deterministic=deterministic,
         )
-    raise NotImplementedError(f"backend={backend!r} is not available yet; use 'flex', 'reference' or 'auto'.")
+    from arctic_dedup.attention.varlen import varlen_tree_attention
+
+    return varlen_tree_attention(query, key, value, plan, scale=scale, sliding_window=sliding_window, softcap=softcap)
 
 
 @overload
