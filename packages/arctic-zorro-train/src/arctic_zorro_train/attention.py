@@ -77,10 +77,7 @@ def _tree_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    try:
-        from arctic_dedup.attention import tree_attention
-    except ImportError:
-        return _dense_tree_attention(query, key, value, context, scale=scale, sliding_window=sliding_window)
+    from arctic_dedup.attention import tree_attention
 
     out = tree_attention(
         query,
@@ -93,33 +90,6 @@ def _tree_attention(
         softcap=softcap,
     )
     return out  # type: ignore[no-any-return]
-
-
-def _dense_tree_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    context: ZorroContext,
-    *,
-    scale: float | None,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Interim stand-in until ``arctic_dedup.attention.tree_attention`` lands: SDPA with the dense tree mask."""
-    from arctic_dedup import dense_tree_mask
-
-    plan = context.plan
-    mask = dense_tree_mask(plan.kv_visible_until)
-    if sliding_window is not None:
-        mask = mask & (plan.position_ids[:, None] - plan.position_ids[None, :] < sliding_window)
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        key.transpose(0, 1).unsqueeze(0),
-        value.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
 
 
 def reconstruct_attention(

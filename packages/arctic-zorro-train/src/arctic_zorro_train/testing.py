@@ -3,7 +3,9 @@ per-sample reference run that deduplicated results are compared with."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +20,13 @@ __all__ = [
     "FAMILIES",
     "ReferenceOutputs",
     "build_model",
+    "collect_grads",
     "create_dummy_batch",
+    "float64_gated_delta_kernels",
+    "float64_recurrent_gated_delta_rule",
+    "gradient_errors",
     "per_sample_reference",
+    "relative_error",
     "tiny_config",
 ]
 
@@ -205,3 +212,58 @@ def collect_grads(model: nn.Module, names: Sequence[str] | None = None) -> dict[
         for name, p in model.named_parameters()
         if names is None or name in names
     }
+
+
+def float64_recurrent_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule token by token in float64 (the chunked fp32 kernels' reference twin).
+
+    Same arguments and shapes as transformers' ``torch_chunk_gated_delta_rule`` (``[B, T, H, D]``). Its rounding
+    does not depend on where a sequence is cut, so a prefix computed once and continued from its final state is
+    bitwise the prefix of the whole-sequence run; used to test state passing without chunk-alignment noise.
+    """
+    out_dtype = query.dtype
+    q, k, v, beta64, decay = (x.transpose(1, 2).double() for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    batch, heads, length, key_dim = k.shape
+    state = (
+        torch.zeros(batch, heads, key_dim, v.shape[-1], dtype=torch.float64, device=q.device)
+        if initial_state is None
+        else initial_state.double()
+    )
+    outputs = []
+    for t in range(length):
+        state = state * decay[:, :, t].exp()[..., None, None]
+        predicted = (state * k[:, :, t, :, None]).sum(dim=-2)
+        delta = (v[:, :, t] - predicted) * beta64[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outputs.append((state * q[:, :, t, :, None]).sum(dim=-2))
+    out = torch.stack(outputs, dim=2).transpose(1, 2).to(out_dtype)
+    return out, (state.float() if output_final_state else None)
+
+
+@contextmanager
+def float64_gated_delta_kernels(model: nn.Module) -> Iterator[None]:
+    """Within the block, every Gated DeltaNet layer of ``model`` (plain and zorro path alike) uses
+    ``float64_recurrent_gated_delta_rule`` instead of transformers' fp32 chunked kernel."""
+    modules = {sys.modules[type(module).__module__] for module in model.modules() if hasattr(module, "A_log")}
+    saved = {module: module.torch_chunk_gated_delta_rule for module in modules}
+    try:
+        for module in modules:
+            module.torch_chunk_gated_delta_rule = float64_recurrent_gated_delta_rule
+        yield
+    finally:
+        for module, rule in saved.items():
+            module.torch_chunk_gated_delta_rule = rule

@@ -1,0 +1,133 @@
+"""Shared helpers for the zorro-train tests: explicit batch layouts and the reference-vs-dedup comparison."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from arctic_zorro_train import DeduplicatedActor, ppo_policy_loss
+from arctic_zorro_train.testing import (
+    collect_grads,
+    float64_gated_delta_kernels,
+    gradient_errors,
+    per_sample_reference,
+)
+
+TOLERANCE = 1e-5
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vlm", "qwen3_5_moe_vlm")
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt: Sequence[int]
+    response: Sequence[int]
+
+
+def make_batch(
+    samples: Sequence[Sample],
+    *,
+    extra_prompt_padding: int = 0,
+    extra_response_padding: int = 0,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A verl batch (left-padded prompts, right-padded responses) with random training fields."""
+    prompt_width = max(len(s.prompt) for s in samples) + extra_prompt_padding
+    response_width = max(len(s.response) for s in samples) + extra_response_padding
+    batch_size = len(samples)
+    input_ids = torch.zeros(batch_size, prompt_width + response_width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, sample in enumerate(samples):
+        start = prompt_width - len(sample.prompt)
+        input_ids[row, start:prompt_width] = torch.tensor(sample.prompt)
+        mask[row, start:prompt_width] = 1
+        input_ids[row, prompt_width : prompt_width + len(sample.response)] = torch.tensor(sample.response)
+        mask[row, prompt_width : prompt_width + len(sample.response)] = 1
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, response_width)
+    old = -torch.rand(shape, generator=generator) * 5.0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp_min(0),
+        "responses": input_ids[:, prompt_width:],
+        "response_mask": mask[:, prompt_width:],
+        "old_log_probs": old,
+        "advantages": torch.randn(shape, generator=generator),
+        "ref_log_prob": old + 0.1 * torch.randn(shape, generator=generator),
+    }
+
+
+def exact_kernels(model: nn.Module, family: str) -> AbstractContextManager[None]:
+    """Hybrid families compare with the float64 recurrent Gated DeltaNet kernel (see test_gated_delta.py for why)."""
+    return float64_gated_delta_kernels(model) if family in HYBRID_FAMILIES else nullcontext()
+
+
+def reference_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0, kl_coef: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, logprobs, entropy) of the plain model run per sample, with the same loss as DeduplicatedActor."""
+    width = batch["responses"].shape[1]
+    reference = per_sample_reference(model, batch, width, temperature)
+    valid = batch["attention_mask"][:, -width:].bool()
+    loss, _ = ppo_policy_loss(
+        reference.logprobs,
+        batch["old_log_probs"][valid],
+        batch["advantages"][valid],
+        batch["response_mask"][valid].float(),
+        ref_logprobs=batch["ref_log_prob"][valid],
+        kl_coef=kl_coef,
+    )
+    config = model.config.get_text_config()
+    if reference.router_logits and getattr(config, "output_router_logits", False):
+        modeling = sys.modules[type(model).__module__]
+        aux = modeling.load_balancing_loss_func(reference.router_logits, config.num_experts, config.num_experts_per_tok)
+        loss = loss + config.router_aux_loss_coef * aux
+    return loss, reference.logprobs.detach(), reference.entropy.detach()
+
+
+def compare_with_reference(
+    model: nn.Module,
+    family: str,
+    batch: dict[str, torch.Tensor],
+    *,
+    actor: DeduplicatedActor | None = None,
+    temperature: float = 1.0,
+    kl_coef: float = 0.1,
+    check_grads: bool = True,
+    **actor_options: object,
+) -> dict[str, float]:
+    """Assert dedup logprobs/entropy and every parameter gradient match the per-sample run; return the errors."""
+    with exact_kernels(model, family):
+        model.zero_grad(set_to_none=True)
+        loss, logprobs, entropy = reference_loss(model, batch, temperature=temperature, kl_coef=kl_coef)
+        if check_grads:
+            loss.backward()
+        expected_grads = collect_grads(model)
+        model.zero_grad(set_to_none=True)
+        actor = actor or DeduplicatedActor(model, kl_coef=kl_coef, **actor_options)  # type: ignore[arg-type]
+        with torch.no_grad():
+            output = actor.forward(batch, temperature=temperature, calculate_entropy=True)
+        assert output.entropy is not None
+        assert output.logprobs.shape == logprobs.shape
+        errors = {
+            "logprobs": float((output.logprobs - logprobs).abs().max()),
+            "entropy": float((output.entropy - entropy).abs().max()),
+        }
+        if check_grads:
+            metrics = actor.compute_policy_loss_and_backward(batch, temperature=temperature)
+            errors["loss"] = abs(metrics["actor/policy_loss"] - float(loss.detach()))
+            errors.update(gradient_errors(model, expected_grads))
+    worst = max(errors.items(), key=lambda item: item[1])
+    assert worst[1] <= TOLERANCE, f"{family}: {worst[0]} differs by {worst[1]:.3g} (> {TOLERANCE})"
+    return errors
+
+
+def fresh_model(family: str, attn_implementation: str = "eager", **overrides: object) -> nn.Module:
+    from arctic_zorro_train.testing import build_model, tiny_config
+
+    return build_model(tiny_config(family, **overrides), attn_implementation=attn_implementation)
