@@ -1,5 +1,20 @@
-"""arctic_fca."""
+"""arctic_fca: Forest Cascade Attention as a vLLM attention-backend plugin (``ARCTIC_FCA=1``)."""
+
+from arctic_fca.config import FcaConfig, is_active, set_active
+from arctic_fca.plugin import TESTED_VLLM_VERSIONS, check_vllm_version, register
+from arctic_fca.stats import FcaStats, get_stats, reset_stats
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "TESTED_VLLM_VERSIONS",
+    "FcaConfig",
+    "FcaStats",
+    "__version__",
+    "check_vllm_version",
+    "get_stats",
+    "is_active",
+    "register",
+    "reset_stats",
+    "set_active",
+]

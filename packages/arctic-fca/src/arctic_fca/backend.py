@@ -1,0 +1,306 @@
+"""vLLM glue, the only module that imports vLLM: FCA backends that wrap FlashAttention (CUDA) and CPU_ATTN (CPU).
+
+Each FCA backend subclasses the platform's standard backend. Its metadata builder builds the standard metadata plus,
+for decode steps (every request has at most ``max_query_len`` query tokens), a ``ForestPlan`` from the step's block
+table. Its attention implementation runs ``forest_decode`` when a plan is present and the standard implementation
+otherwise, so prefills, mixed and ineligible steps are exactly vLLM's standard attention. The KV cache is written by
+the standard ``do_kv_cache_update`` before ``forward`` runs (these backends do not fuse the update into forward).
+
+On CUDA the plan is built on the device without waiting for it; a step where grouping finds nothing runs arctic's
+per-request paged decode kernel (the same kernels with no groups). On CPU the plan is read on the host (free there)
+and such a step goes to CPU_ATTN.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
+
+from arctic_dedup.forest import ForestPlan, forest_decode, plan_forest
+from arctic_fca.config import FcaConfig, is_active
+from arctic_fca.stats import record_standard_step, record_step
+
+__all__ = [
+    "FcaCpuAttentionBackend",
+    "FcaCpuAttentionImpl",
+    "FcaCpuMetadata",
+    "FcaCpuMetadataBuilder",
+    "FcaFlashAttentionBackend",
+    "FcaFlashAttentionImpl",
+    "FcaFlashMetadata",
+    "FcaFlashMetadataBuilder",
+    "ForestPlanner",
+]
+
+logger = logging.getLogger("arctic_fca")
+
+
+def _no_window(window: Any) -> bool:
+    return window is None or window == -1 or window == (-1, -1)
+
+
+def _impl_supported(impl: Any) -> bool:
+    """Layers FCA can run: plain causal decoder attention with no window, ALiBi, sinks or soft cap."""
+    return (
+        getattr(impl, "attn_type", AttentionType.DECODER) == AttentionType.DECODER
+        and _no_window(getattr(impl, "sliding_window", None))
+        and getattr(impl, "alibi_slopes", None) is None
+        and getattr(impl, "sinks", None) is None
+        and not getattr(impl, "logits_soft_cap", 0)
+        and getattr(impl, "kv_sharing_target_layer_name", None) is None
+    )
+
+
+class ForestPlanner:
+    """Builds one step's ``ForestPlan`` for one KV-cache group and records the step's stats."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, on_cpu: bool) -> None:
+        self.config = FcaConfig.from_env()
+        self.grouping = self.config.grouping()
+        self.block_size = int(kv_cache_spec.block_size)
+        self.num_kv_heads = int(kv_cache_spec.num_kv_heads)
+        self.head_size = int(kv_cache_spec.head_size)
+        dtype = getattr(kv_cache_spec, "dtype", torch.bfloat16)
+        self.bytes_per_block = (
+            2 * self.block_size * self.num_kv_heads * self.head_size * torch.empty(0, dtype=dtype).element_size()
+        )
+        self.layer_names = list(layer_names)
+        self.vllm_config = vllm_config
+        self.on_cpu = on_cpu
+        self._layers: dict[str, Any] | None = None
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def _attention_layers(self) -> dict[str, Any]:
+        if self._layers is None:
+            self._layers = get_layers_from_vllm_config(self.vllm_config, Attention, self.layer_names)
+        return self._layers
+
+    def _layer_facts(self) -> tuple[bool, int, int] | None:
+        """(every layer supported, query heads, cache blocks) once the layers and their KV cache exist."""
+        layers = self._attention_layers()
+        if not layers:
+            return None
+        first = next(iter(layers.values()))
+        cache = getattr(first, "kv_cache", None)
+        if not isinstance(cache, torch.Tensor) or cache.numel() == 0:
+            return None
+        supported = all(_impl_supported(layer.impl) for layer in layers.values())
+        return supported, int(first.impl.num_heads), int(cache.shape[0])
+
+    def plan(self, metadata: CommonAttentionMetadata) -> ForestPlan | None:
+        num_requests = metadata.num_reqs
+        facts = self._layer_facts()
+        eligible = (
+            is_active()
+            and facts is not None
+            and facts[0]
+            and metadata.max_query_len <= self.config.max_query_len
+            and num_requests >= self.config.min_group_size
+            and facts[1] % self.num_kv_heads == 0
+        )
+        if not eligible or facts is None:
+            record_standard_step()
+            return None
+        _, num_heads, num_cache_blocks = facts
+        plan = plan_forest(
+            metadata.block_table_tensor[:num_requests],
+            metadata.seq_lens[:num_requests],
+            metadata.query_start_loc[: num_requests + 1],
+            block_size=self.block_size,
+            num_cache_blocks=num_cache_blocks,
+            max_query_len=max(1, metadata.max_query_len),
+            queries_per_kv=num_heads // self.num_kv_heads,
+            num_kv_heads=self.num_kv_heads,
+            grouping=self.grouping,
+        )
+        if self.on_cpu:
+            groups = int(plan.num_groups.item())
+            record_step(
+                num_requests,
+                groups,
+                int(plan.num_grouped_requests.item()),
+                int(plan.saved_block_reads.item()) * self.bytes_per_block,
+                log=True,
+            )
+            return plan if groups > 0 else None
+        # Reading the counters waits for the device: collect them and read a batch every log_interval steps.
+        self._pending.append((num_requests, plan.num_groups, plan.num_grouped_requests, plan.saved_block_reads))
+        if len(self._pending) >= self.config.log_interval:
+            self.flush_stats()
+        return plan
+
+    def flush_stats(self) -> None:
+        pending, self._pending = self._pending, []
+        for index, (requests, groups, grouped, saved) in enumerate(pending):
+            record_step(
+                requests,
+                int(groups.item()),
+                int(grouped.item()),
+                int(saved.item()) * self.bytes_per_block,
+                log=index == len(pending) - 1,
+            )
+
+
+def _with_plan(metadata_class: type, base: Any, plan: ForestPlan | None) -> Any:
+    return metadata_class(**{field.name: getattr(base, field.name) for field in fields(base)}, fca=plan)
+
+
+def _run_forest(
+    impl: Any,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: Any,
+    output: torch.Tensor,
+) -> bool:
+    """Run forest decode into ``output``; False (nothing written) when this layer's tensors do not fit the plan."""
+    if key_cache.dtype != query.dtype or output.dim() != 3:
+        return False
+    num_tokens = metadata.num_actual_tokens
+    forest_decode(
+        query[:num_tokens],
+        key_cache,
+        value_cache,
+        metadata.fca,
+        impl.scale,
+        out=output[:num_tokens],
+        backend="auto",
+    )
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA
+
+
+@dataclass
+class FcaFlashMetadata(FlashAttentionMetadata):
+    fca: ForestPlan | None = None
+
+
+class FcaFlashMetadataBuilder(FlashAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.forest_planner = ForestPlanner(kv_cache_spec, layer_names, vllm_config, on_cpu=False)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any) -> AttentionCGSupport:
+        # The impl picks FCA or FlashAttention per step in Python; piecewise graphs run attention eagerly.
+        return AttentionCGSupport.NEVER
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> FcaFlashMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return _with_plan(FcaFlashMetadata, base, self.forest_planner.plan(common_attn_metadata))  # type: ignore[no-any-return]
+
+
+class FcaFlashAttentionImpl(FlashAttentionImpl):
+    def forward(  # type: ignore[override]
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if getattr(attn_metadata, "fca", None) is not None and output_scale is None and output_block_scale is None:
+            # Same view as FlashAttention's: (blocks, kv heads, block, 2 * D) -> 2 x (blocks, block, kv heads, D).
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            if _run_forest(self, query, key_cache, value_cache, attn_metadata, output):
+                return output
+        return super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
+
+
+class FcaFlashAttentionBackend(FlashAttentionBackend):
+    supports_kv_cache_update_bypass: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[FcaFlashAttentionImpl]:
+        return FcaFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FcaFlashMetadataBuilder]:
+        return FcaFlashMetadataBuilder
+
+
+# ---------------------------------------------------------------------------------------------------- CPU
+
+
+@dataclass
+class FcaCpuMetadata(CPUAttentionMetadata):
+    fca: ForestPlan | None = None
+
+
+class FcaCpuMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.forest_planner = ForestPlanner(kv_cache_spec, layer_names, vllm_config, on_cpu=True)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> FcaCpuMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return _with_plan(FcaCpuMetadata, base, self.forest_planner.plan(common_attn_metadata))  # type: ignore[no-any-return]
+
+
+class FcaCpuAttentionImpl(CPUAttentionBackendImpl):
+    def forward(  # type: ignore[override]
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if getattr(attn_metadata, "fca", None) is not None and output_scale is None and output_block_scale is None:
+            # Same view as CPU_ATTN's: (blocks, kv heads, block, 2 * D) holds K then V per head; ours is token-major.
+            num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+            key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+            key_cache, value_cache = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
+            if _run_forest(self, query, key_cache, value_cache, attn_metadata, output):
+                return output
+        return super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
+
+
+class FcaCpuAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[FcaCpuAttentionImpl]:
+        return FcaCpuAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FcaCpuMetadataBuilder]:
+        return FcaCpuMetadataBuilder

