@@ -1,0 +1,97 @@
+"""Logits modes (none / compute / memory), temperature, chunk sizes and fp32 logits give the same logprobs,
+entropies and gradients; ``memory`` never materializes a [tokens, vocab] tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from arctic_zorro_train import token_logprobs
+
+
+def _head_and_inputs(vocab: int = 50, hidden: int = 16, tokens: int = 23) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    head = nn.Linear(hidden, vocab, bias=True)
+    states = torch.randn(tokens, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    return head, states, labels
+
+
+def _run(mode: str, chunk_size: int, temperature: float, fp32_logits: bool = False) -> dict[str, torch.Tensor]:
+    head, states, labels = _head_and_inputs()
+    out = token_logprobs(
+        states,
+        labels,
+        head,
+        temperature=temperature,
+        mode=mode,  # type: ignore[arg-type]
+        calculate_entropy=True,
+        chunk_size=chunk_size,
+        fp32_logits=fp32_logits,
+    )
+    assert out.entropy is not None
+    weights = torch.linspace(-1.0, 2.0, labels.numel())
+    (out.logprobs * weights).sum().add((out.entropy * weights.flip(0)).sum()).backward()
+    assert states.grad is not None and head.weight.grad is not None and head.bias.grad is not None
+    return {
+        "logprobs": out.logprobs.detach(),
+        "entropy": out.entropy.detach(),
+        "grad_states": states.grad,
+        "grad_weight": head.weight.grad,
+        "grad_bias": head.bias.grad,
+    }
+
+
+@pytest.mark.parametrize("mode", ["none", "compute", "memory"])
+@pytest.mark.parametrize("chunk_size", [1, 5, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_modes_agree(mode: str, chunk_size: int, temperature: float) -> None:
+    expected = _run("none", 1024, temperature)
+    actual = _run(mode, chunk_size, temperature)
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_entropy_matches_its_definition() -> None:
+    head, states, labels = _head_and_inputs()
+    out = token_logprobs(states, labels, head, temperature=0.7, calculate_entropy=True)
+    probabilities = torch.softmax(head(states).float() / 0.7, dim=-1)
+    expected = -(probabilities * probabilities.log()).sum(-1)
+    torch.testing.assert_close(out.entropy, expected)
+    torch.testing.assert_close(out.logprobs, probabilities.log().gather(-1, labels[:, None]).squeeze(-1))
+
+
+def test_fp32_logits_run_the_head_in_fp32() -> None:
+    head, states, labels = _head_and_inputs()
+    head = head.to(torch.bfloat16)
+    low = token_logprobs(states.detach().bfloat16(), labels, head)
+    high = token_logprobs(states.detach().bfloat16(), labels, head, fp32_logits=True)
+    assert high.logits is not None and high.logits.dtype == torch.float32
+    assert low.logits is not None and low.logits.dtype == torch.bfloat16
+    exact = torch.log_softmax(states.detach().bfloat16().float() @ head.weight.float().t() + head.bias.float(), -1)
+    expected = exact.gather(-1, labels[:, None]).squeeze(-1)
+    assert (high.logprobs - expected).abs().max() < (low.logprobs - expected).abs().max()
+
+
+def test_memory_mode_never_builds_a_full_logits_tensor() -> None:
+    head, states, labels = _head_and_inputs(vocab=64, tokens=40)
+    largest = 0
+
+    def track(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        nonlocal largest
+        largest = max(largest, output.shape[0])
+
+    head.register_forward_hook(track)
+    out = token_logprobs(states, labels, head, mode="memory", chunk_size=8, calculate_entropy=True)
+    assert out.logits is None
+    out.logprobs.sum().backward()
+    assert largest == 8
+
+
+def test_bad_arguments_are_explained() -> None:
+    head, states, labels = _head_and_inputs()
+    with pytest.raises(ValueError, match="logits mode"):
+        token_logprobs(states, labels, head, mode="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(states, labels, head, temperature=0.0)
