@@ -188,8 +188,10 @@ def _device_name() -> str:
 
 
 def _git_commit() -> str:
+    if os.environ.get("ARCTIC_COMMIT"):
+        return os.environ["ARCTIC_COMMIT"]
     result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    return result.stdout.strip() or os.environ.get("ARCTIC_COMMIT", "unknown")
+    return result.stdout.strip() if result.returncode == 0 else "unknown"
 
 
 @nox.session(python=False)

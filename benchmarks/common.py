@@ -27,7 +27,7 @@ def run_metadata() -> dict[str, Any]:
         result = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, check=False
         )
-        commit = result.stdout.strip() or "unknown"
+        commit = result.stdout.strip() if result.returncode == 0 else "unknown"
     versions = {"torch": torch.__version__}
     try:
         import triton
@@ -61,6 +61,13 @@ def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     milliseconds = cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeats=20)
     return 2 * src.numel() * src.element_size() / milliseconds / 1e6
+
+
+def fill_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
+    """Device write-only rate (``fill_``), counting bytes written."""
+    dst = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    milliseconds = cuda_time_ms(lambda: dst.fill_(1.5), warmup=3, repeats=20)
+    return dst.numel() * dst.element_size() / milliseconds / 1e6
 
 
 def write_results(out_dir: Path, name: str, summary: dict[str, Any], rows: list[dict[str, Any]]) -> Path:

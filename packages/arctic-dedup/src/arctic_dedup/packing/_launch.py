@@ -22,8 +22,8 @@ def launch_gather_rows(
     index_map: IndexMap,
     fill_value: float,
     *,
-    elements_per_program: int = 4096,
-    max_block_cols: int = 1024,
+    elements_per_program: int = 2048,
+    max_block_cols: int = 512,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """``[num_sources, R]`` -> ``[num_outputs, R]`` with ``out[i] = src[gather_index[i]]`` or ``fill_value``."""
