@@ -170,3 +170,13 @@ def test_identical_ids_with_different_masks_are_different_prompts() -> None:
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     plan = build_plan(ids, 1, mask)
     assert plan.tree.num_trees == 2
+
+
+@settings(max_examples=30, deadline=None)
+@given(padded_batches())
+def test_no_sharing_plan_is_the_packed_baseline(batch: PaddedBatch) -> None:
+    plan = build_plan(batch.input_ids, batch.response_length, batch.attention_mask, sharing="none")
+    _check_plan(plan)
+    assert plan.num_packed_tokens == plan.num_sample_tokens
+    assert plan.tree.num_trees == plan.num_samples
+    assert bool((plan.multiplicity == 1).all())

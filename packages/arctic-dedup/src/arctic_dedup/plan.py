@@ -11,6 +11,8 @@ Sharing modes:
     every response is its own node. Two levels.
   * ``"trie"``: every common prefix of the samples' full sequences (prompt and response) is shared: prompts that
     overlap only partly (a common system prompt), multi-turn and branched rollouts give deeper trees.
+  * ``"none"``: nothing is shared; every sample is its own root (the non-deduplicated packed baseline, with the
+    same conventions and maps).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from arctic_dedup.layout import SampleLayout
 
 __all__ = ["Plan", "PrefixSharing", "PrefixTree", "ResponseIndex", "build_plan", "build_plan_from_layout"]
 
-PrefixSharing = Literal["prompt", "trie"]
+PrefixSharing = Literal["prompt", "trie", "none"]
 
 
 @dataclass(frozen=True)
@@ -301,21 +303,22 @@ def build_plan_from_layout(
     attention_block_size: tuple[int, int] = (128, 128),
 ) -> Plan:
     """Build the plan for a ``SampleLayout`` (see ``build_plan`` for padded batches)."""
-    if sharing not in ("prompt", "trie"):
-        raise ValueError(f"sharing must be 'prompt' or 'trie', got {sharing!r}")
+    if sharing not in ("prompt", "trie", "none"):
+        raise ValueError(f"sharing must be 'prompt', 'trie' or 'none', got {sharing!r}")
     if bool((layout.token_ids < 0).any()):
         raise BatchLayoutError("token ids must be >= 0; found a negative id among the valid tokens.")
     token_sample = layout.token_sample()
     offset = layout.token_offset_in_sample()
     problem: str | None = "not built"
     build: _TreeBuild | None = None
-    attempts = 1 if sharing == "prompt" else 3
+    attempts = 3 if sharing == "trie" else 1
     for seed in range(attempts):
-        classes = (
-            _prompt_classes(layout, token_sample, offset)
-            if sharing == "prompt"
-            else _trie_classes(layout, token_sample, offset, seed)
-        )
+        if sharing == "prompt":
+            classes = _prompt_classes(layout, token_sample, offset)
+        elif sharing == "trie":
+            classes = _trie_classes(layout, token_sample, offset, seed)
+        else:
+            classes = torch.arange(layout.num_tokens, device=layout.device)
         build = _tree_from_classes(layout, classes, offset)
         packed_ids = layout.token_ids[build.pack_source]
         problem = _verify(layout, build, offset, packed_ids)
@@ -386,7 +389,8 @@ def build_plan(
         response_length: ``R``, the padded response width.
         attention_mask: ``[B, S]`` 1 for real tokens, 0 for padding (default: all real).
         position_ids: ``[B, S]`` (default: ``cumsum(mask) - 1``). Tokens are shared only when ids and positions match.
-        sharing: ``"prompt"`` (identical prompts share a node) or ``"trie"`` (every common prefix is shared).
+        sharing: ``"prompt"`` (identical prompts share a node), ``"trie"`` (every common prefix is shared) or
+            ``"none"`` (no sharing: the non-deduplicated baseline in the same packed form).
         attention_block_size: (query block, key block) for ``plan.attention``.
 
     Returns:
