@@ -14,8 +14,8 @@ and such a step goes to CPU_ATTN.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_layers_from_vllm_config
@@ -163,6 +163,10 @@ def _with_plan(metadata_class: type, base: Any, plan: ForestPlan | None) -> Any:
     return metadata_class(**{field.name: getattr(base, field.name) for field in fields(base)}, fca=plan)
 
 
+def replace_metadata(metadata: Any, plan: ForestPlan) -> Any:
+    return replace(metadata, fca=plan)
+
+
 def _run_forest(
     impl: Any,
     query: torch.Tensor,
@@ -271,7 +275,75 @@ class FcaCpuMetadataBuilder(CPUAttentionMetadataBuilder):
         return _with_plan(FcaCpuMetadata, base, self.forest_planner.plan(common_attn_metadata))  # type: ignore[no-any-return]
 
 
+def _probe_cpu_layout(
+    isa: str, block_size: int, head_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where CPU_ATTN stores each (token, dim) of a K and of a V block: two ``[block_size * head_size]`` index maps.
+
+    CPU_ATTN's kernels pack K (dim-major, for its dot products) and V (token-major) inside a block in ISA-specific
+    orders. Writing two probes through its own cache-write op (one holding token indices, one dim indices: exact in
+    any float dtype) and reading them back gives each permutation, so FCA reads the cache as the kernels wrote it.
+    ``None`` when the values do not come back as a permutation (a quantized cache, or a layout we cannot read).
+    """
+    from vllm import _custom_ops as ops
+
+    size = block_size * head_size
+    tokens = torch.arange(block_size, dtype=torch.float32)[:, None].expand(block_size, head_size)
+    dims = torch.arange(head_size, dtype=torch.float32)[None, :].expand(block_size, head_size)
+    readbacks: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for probe in (tokens, dims):
+        cache = torch.full((1, 1, 2 * block_size, head_size), -1.0, dtype=dtype)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        values = probe.to(dtype).reshape(block_size, 1, head_size).contiguous()
+        ops.cpu_attn_reshape_and_cache(
+            values, values, key_cache, value_cache, torch.arange(block_size, dtype=torch.int64), isa
+        )
+        readbacks.append((key_cache.reshape(-1).float(), value_cache.reshape(-1).float()))
+    maps = []
+    for side in (0, 1):
+        token_of, dim_of = readbacks[0][side], readbacks[1][side]
+        if not (torch.equal(token_of, token_of.round()) and torch.equal(dim_of, dim_of.round())):
+            return None
+        flat = token_of.long() * head_size + dim_of.long()
+        if flat.min() < 0 or flat.max() >= size or torch.unique(flat).numel() != size:
+            return None
+        positions = torch.empty(size, dtype=torch.int64)
+        positions[flat] = torch.arange(size)
+        maps.append(positions)
+    return maps[0], maps[1]
+
+
 class FcaCpuAttentionImpl(CPUAttentionBackendImpl):
+    _layouts: ClassVar[dict[tuple[str, int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor] | None]] = {}
+
+    def _plain_caches(self, layer: Any, kv_cache: torch.Tensor, plan: ForestPlan) -> tuple[Any, ...] | None:
+        """Token-major copies ``[used_blocks, block, H_kv, D]`` of the blocks this step reads, and the plan on them."""
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        head_size = self.head_size
+        isa = getattr(layer, "isa", None)
+        if isa is None or getattr(self, "is_fp8_kv_cache", False):
+            return None
+        key = (isa, block_size, head_size, kv_cache.dtype)
+        if key not in self._layouts:
+            self._layouts[key] = _probe_cpu_layout(isa, block_size, head_size, kv_cache.dtype)
+            if self._layouts[key] is None:
+                logger.warning("arctic-fca: CPU_ATTN's cache layout for isa=%s is not a permutation; FCA is off", isa)
+        layout = self._layouts[key]
+        if layout is None:
+            return None
+        key_positions, value_positions = layout
+        used_lengths = torch.div(plan.seq_lens + block_size - 1, block_size, rounding_mode="floor")
+        columns = torch.arange(plan.block_table.shape[1])
+        used = columns[None, :] < used_lengths[:, None]
+        blocks, compact = torch.unique(plan.block_table[used].long(), return_inverse=True)
+        table = torch.zeros_like(plan.block_table)
+        table[used] = compact.to(table.dtype)
+        tiles = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_size)[blocks]
+        shape = (len(blocks), num_kv_heads, block_size, head_size)
+        key_cache = tiles[:, :, 0][..., key_positions].view(shape).permute(0, 2, 1, 3)
+        value_cache = tiles[:, :, 1][..., value_positions].view(shape).permute(0, 2, 1, 3)
+        return key_cache, value_cache, replace(plan, block_table=table)
+
     def forward(  # type: ignore[override]
         self,
         layer: Any,
@@ -284,13 +356,14 @@ class FcaCpuAttentionImpl(CPUAttentionBackendImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if getattr(attn_metadata, "fca", None) is not None and output_scale is None and output_block_scale is None:
-            # Same view as CPU_ATTN's: (blocks, kv heads, block, 2 * D) holds K then V per head; ours is token-major.
-            num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-            key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-            key_cache, value_cache = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
-            if _run_forest(self, query, key_cache, value_cache, attn_metadata, output):
-                return output
+        plan = getattr(attn_metadata, "fca", None)
+        if plan is not None and output_scale is None and output_block_scale is None:
+            caches = self._plain_caches(layer, kv_cache, plan)
+            if caches is not None:
+                key_cache, value_cache, compact_plan = caches
+                metadata = replace_metadata(attn_metadata, compact_plan)
+                if _run_forest(self, query, key_cache, value_cache, metadata, output):
+                    return output
         return super().forward(
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )
