@@ -32,6 +32,7 @@ def reference_paged_attention(
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     table = block_table.cpu()
+    key_cache, value_cache, query = key_cache.cpu(), value_cache.cpu(), query.cpu()
     for request, seq_len in enumerate(lengths):
         begin, end = starts[request], starts[request + 1]
         if end == begin or seq_len == 0:
@@ -39,11 +40,11 @@ def reference_paged_attention(
         positions = torch.arange(seq_len)
         blocks = table[request, positions // block_size].long()
         within = positions % block_size
-        keys = key_cache.cpu()[blocks, within].float()
-        values = value_cache.cpu()[blocks, within].float()
+        keys = key_cache[blocks, within].float()
+        values = value_cache[blocks, within].float()
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
-        queries = query.cpu()[begin:end].float()
+        queries = query[begin:end].float()
         query_positions = seq_len - (end - begin) + torch.arange(end - begin)
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
         visible = positions[None, :] <= query_positions[:, None]
