@@ -9,6 +9,15 @@ import arctic_dedup
 
 EXPECTED_EXPORTS = {
     "BatchLayoutError",
+    "ForestGrouping",
+    "ForestKernelConfig",
+    "ForestPlan",
+    "choose_backend",
+    "forest_decode",
+    "paged_decode",
+    "plan_forest",
+    "plan_paged",
+    "tree_attention",
     "BatchStats",
     "BlockSparsity",
     "DedupCost",

@@ -1,5 +1,6 @@
 """arctic-dedup: plan, pack and attend over deduplicated RL batches (torch + Triton, nothing model-specific)."""
 
+from arctic_dedup.attention import choose_backend, tree_attention
 from arctic_dedup.attention_meta import BlockSparsity, VarlenParams, block_sparsity, dense_tree_mask
 from arctic_dedup.balance import (
     GroupSplitWarning,
@@ -14,6 +15,15 @@ from arctic_dedup.balance import (
 from arctic_dedup.cost import DedupCost, ModelShape, dedup_cost, dedup_cost_of_plan
 from arctic_dedup.errors import BatchLayoutError, PlanError
 from arctic_dedup.facade import BatchStats, ReconstructionInfo, ZoRRoTrain, analyze_normal_batch_via_attention_mask
+from arctic_dedup.forest import (
+    ForestGrouping,
+    ForestKernelConfig,
+    ForestPlan,
+    forest_decode,
+    paged_decode,
+    plan_forest,
+    plan_paged,
+)
 from arctic_dedup.grouping import RowGroups, group_rows
 from arctic_dedup.index_map import IndexMap
 from arctic_dedup.layout import SampleLayout
@@ -27,6 +37,9 @@ __all__ = [
     "BatchStats",
     "BlockSparsity",
     "DedupCost",
+    "ForestGrouping",
+    "ForestKernelConfig",
+    "ForestPlan",
     "GroupSplitWarning",
     "IndexMap",
     "MicroBatch",
@@ -46,17 +59,23 @@ __all__ = [
     "block_sparsity",
     "build_plan",
     "build_plan_from_layout",
+    "choose_backend",
     "dedup_cost",
     "dedup_cost_of_plan",
     "dense_tree_mask",
+    "forest_decode",
     "format_micro_batch_report",
     "gather_rows",
     "group_rows",
     "pack",
+    "paged_decode",
     "partition_for_data_parallel",
     "partition_items",
+    "plan_forest",
     "plan_micro_batches",
+    "plan_paged",
     "prompt_groups",
     "segment_sum_rows",
+    "tree_attention",
     "unpack",
 ]
