@@ -53,6 +53,17 @@ def test_modes_agree(mode: str, chunk_size: int, temperature: float) -> None:
         torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("chunk_size", [3, 1024])
+def test_memory_mode_for_zero3_sharded_heads_agrees(monkeypatch: pytest.MonkeyPatch, chunk_size: int) -> None:
+    import arctic_zorro_train.logprobs as logprobs_module
+
+    expected = _run("none", 1024, 0.8)
+    monkeypatch.setattr(logprobs_module, "_is_zero3_sharded", lambda module: True)
+    actual = _run("memory", chunk_size, 0.8)
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_entropy_matches_its_definition() -> None:
     head, states, labels = _head_and_inputs()
     out = token_logprobs(states, labels, head, temperature=0.7, calculate_entropy=True)

@@ -79,7 +79,7 @@ def _is_zero3_partitioned(module: nn.Module) -> bool:
 
 def _register_external_parameters(patch: ZorroPatch) -> None:
     try:
-        from deepspeed.zero import register_external_parameter
+        from deepspeed.runtime.zero import register_external_parameter
     except ImportError as error:
         raise MissingDependencyError(
             "the model's parameters are ZeRO-3 partitioned but deepspeed cannot be imported; install "

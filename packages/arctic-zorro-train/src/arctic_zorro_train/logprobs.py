@@ -5,8 +5,10 @@ Three logits modes (``M`` response tokens, vocabulary ``V``):
 * ``"none"``: one ``[M, V]`` logits tensor, plain autograd (also returned to the caller);
 * ``"compute"``: the ``[M, V]`` logits once, log-softmax and entropy in token chunks (smaller fp32 temporaries);
 * ``"memory"``: never an ``[M, V]`` tensor. Chunks of tokens go through the LM head with no graph; the backward
-  recomputes each chunk's logits and applies the closed-form gradients of log-softmax and entropy. The LM head is
-  called as a module in both passes, so hooks that gather sharded weights (DeepSpeed ZeRO-3) see every use.
+  recomputes each chunk's logits and applies the closed-form gradients of log-softmax and entropy. When the LM
+  head's weight is sharded by DeepSpeed ZeRO-3 (it is only materialized inside the head's own forward and its
+  autograd backward), each chunk is instead wrapped in non-reentrant activation checkpointing, which recomputes
+  it inside the main backward pass where ZeRO-3 gathers the weight again.
 """
 
 from __future__ import annotations
@@ -132,6 +134,32 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         return (grad_hidden, None, None, None, None, None, *([None] * ctx.num_head_parameters))
 
 
+def _checkpointed_chunks(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from torch.utils.checkpoint import checkpoint
+
+    def chunk_outputs(states: torch.Tensor, chunk_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropy = _logprob_and_entropy(_scaled(head(states), temperature), chunk_labels, with_entropy)
+        return logprobs, logprobs if entropy is None else entropy
+
+    pieces = [
+        checkpoint(chunk_outputs, hidden[start : start + chunk_size], labels[start : start + chunk_size], use_reentrant=False)
+        for start in range(0, hidden.shape[0], chunk_size)
+    ]
+    logprobs = torch.cat([piece[0] for piece in pieces])
+    return logprobs, torch.cat([piece[1] for piece in pieces]) if with_entropy else None
+
+
+def _is_zero3_sharded(module: nn.Module) -> bool:
+    return any(hasattr(parameter, "ds_id") for parameter in module.parameters())
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -154,6 +182,9 @@ def token_logprobs(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     head = _head_fn(lm_head, fp32_logits)
+    if mode == "memory" and _is_zero3_sharded(lm_head):
+        logprobs, entropy = _checkpointed_chunks(hidden, labels, head, temperature, chunk_size, calculate_entropy)
+        return TokenLogprobs(logprobs=logprobs, entropy=entropy, logits=None)
     if mode == "memory":
         parameters = [p for p in lm_head.parameters() if p.requires_grad]
         logprobs, entropy = _ChunkedHeadLogprobs.apply(

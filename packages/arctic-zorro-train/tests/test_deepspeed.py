@@ -1,0 +1,110 @@
+"""DeepSpeed: the engines' install hook patches the model under ZeRO stages 0-3 (fp32 and bf16), and a
+deduplicated step through the engine gives the per-sample run's gradients. CPU accelerator, gloo, world size 1."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+from zorro_cases import exact_kernels, fresh_model, reference_loss
+
+from arctic_zorro_train import ZorroOutput, create_dummy_batch, install_zorro_for_deepspeed, ppo_policy_loss
+from arctic_zorro_train.testing import collect_grads, relative_error
+
+deepspeed = pytest.importorskip("deepspeed", reason="needs arctic-zorro-train[deepspeed]")
+
+RESPONSE_WIDTH = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _distributed() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this test drives DeepSpeed's CPU accelerator")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _engine(model: torch.nn.Module, stage: int, bf16: bool) -> Any:
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": bf16},
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _step(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[ZorroOutput, torch.Tensor]:
+    output = engine(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )
+    valid = batch["response_mask"].bool()
+    loss, _ = ppo_policy_loss(
+        output.logprobs,
+        batch["old_log_probs"][valid],
+        batch["advantages"][valid],
+        batch["response_mask"][valid].float(),
+        ref_logprobs=batch["ref_log_prob"][valid],
+        kl_coef=0.1,
+    )
+    engine.backward(loss)
+    return output, loss
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_zero_stages_fp32_match_the_per_sample_run(stage: int, family: str) -> None:
+    batch = create_dummy_batch(
+        4, 2, 7, RESPONSE_WIDTH, vocab_size=120, add_padding=True, include_training_fields=True, seed=stage
+    )
+    model = fresh_model(family)
+    with exact_kernels(model, family):
+        loss, _, _ = reference_loss(model, batch, kl_coef=0.1)
+        loss.backward()
+        expected = collect_grads(model)
+        model.zero_grad(set_to_none=True)
+        engine = _engine(model, stage, bf16=False)
+        patch = install_zorro_for_deepspeed(engine, {"zorro_train": {"enable": True, "response_length": RESPONSE_WIDTH}})
+        assert patch is not None
+        output, dedup_loss = _step(engine, batch)
+    assert isinstance(output, ZorroOutput)
+    assert float(dedup_loss) == pytest.approx(float(loss), rel=1e-5)
+    for name, parameter in engine.module.named_parameters():
+        grad = deepspeed.utils.safe_get_full_grad(parameter)
+        assert grad is not None, name
+        assert relative_error(grad.float(), expected[name]) <= 1e-5, name
+    engine.step()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_bf16_engine_trains(stage: int) -> None:
+    batch = create_dummy_batch(4, 2, 7, RESPONSE_WIDTH, vocab_size=120, include_training_fields=True, seed=1)
+    model = fresh_model("qwen3_5")
+    engine = _engine(model, stage, bf16=True)
+    install_zorro_for_deepspeed(engine, {"enable": True, "response_length": RESPONSE_WIDTH, "logits_mode": "memory"})
+    for _ in range(2):
+        output, loss = _step(engine, batch)
+        assert torch.isfinite(loss) and torch.isfinite(output.logprobs).all()
+        engine.step()
+
+
+def test_disabled_config_leaves_the_model_alone() -> None:
+    model = fresh_model("qwen3")
+    assert install_zorro_for_deepspeed(model, {"zorro_train": {"enable": False}}) is None
+    assert install_zorro_for_deepspeed(model, None) is None
+    with pytest.raises(ValueError, match="unknown zorro_train option"):
+        install_zorro_for_deepspeed(model, {"zorro_train": {"enable": True, "speed": "max"}})
