@@ -9,12 +9,28 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arctic_dedup._triton_support import Backend
 from arctic_dedup.errors import PlanError
-from arctic_dedup.forest import ForestGrouping, ForestKernelConfig, plan_forest, plan_paged, reference_forest_groups
+from arctic_dedup.forest import (
+    ForestGrouping,
+    ForestKernelConfig,
+    ForestWorkspace,
+    plan_forest,
+    plan_paged,
+    reference_forest_groups,
+)
+from arctic_dedup.forest.plan import ForestPlan
 from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
 
 
-def _plan(batch: DecodeBatch, grouping: ForestGrouping | None = None, block_size: int = 16, **config: int):
+def _plan(
+    batch: DecodeBatch,
+    grouping: ForestGrouping | None = None,
+    block_size: int = 16,
+    backend: Backend = "auto",
+    workspace: ForestWorkspace | None = None,
+    **config: int,
+):
     return plan_forest(
         batch.block_table,
         batch.seq_lens,
@@ -26,6 +42,8 @@ def _plan(batch: DecodeBatch, grouping: ForestGrouping | None = None, block_size
         num_kv_heads=2,
         grouping=grouping,
         config=ForestKernelConfig(**config),
+        workspace=workspace,
+        backend=backend,
     )
 
 
@@ -61,13 +79,19 @@ def _random_batch(seed: int) -> DecodeBatch:
     min_prefix_blocks=st.integers(1, 3),
     min_grouped_fraction=st.sampled_from([0.0, 0.5, 0.9]),
     max_groups=st.sampled_from([None, 0, 1, 3]),
+    backend=st.sampled_from(["triton", "torch"]),
 )
 def test_groups_match_reference(
-    seed: int, min_group_size: int, min_prefix_blocks: int, min_grouped_fraction: float, max_groups: int | None
+    seed: int,
+    min_group_size: int,
+    min_prefix_blocks: int,
+    min_grouped_fraction: float,
+    max_groups: int | None,
+    backend: Backend,
 ) -> None:
     batch = _random_batch(seed)
     grouping = ForestGrouping(min_group_size, min_prefix_blocks, min_grouped_fraction, max_groups)
-    plan = _plan(batch, grouping)
+    plan = _plan(batch, grouping, backend=backend)
     leader, prefix = _reference(batch, grouping)
     assert plan.group_leader.tolist() == leader
     assert plan.prefix_blocks.tolist() == prefix
@@ -75,41 +99,91 @@ def test_groups_match_reference(
     assert int(plan.num_grouped_requests) == sum(1 for p in prefix if p > 0)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_plan_invariants(seed: int) -> None:
-    batch = _random_batch(seed)
-    plan = _plan(batch, split_granularity=16, multiprocessors=3)
+def _check_invariants(plan: ForestPlan, batch: DecodeBatch) -> None:
     table = batch.block_table.tolist()
     starts = batch.query_start_loc.tolist()
     seq = batch.seq_lens.tolist()
+    num_requests = len(seq)
     leaders = plan.group_leader.tolist()
     prefix = plan.prefix_blocks.tolist()
     tiles = plan.tile_of.tolist()
     slots = plan.slot_in_tile.tolist()
-    members = plan.tile_members.tolist()
+    members = plan.member_list.tolist()
+    num_tiles = max(tiles) + 1
+    tile_start = plan.tile_member_start.tolist()
+    tile_count = plan.tile_member_count.tolist()
     for request, blocks in enumerate(prefix):
         # Every member holds the leader's prefix blocks, all before its first query token.
         assert table[request][:blocks] == table[leaders[request]][:blocks]
         assert blocks * 16 <= seq[request] - (starts[request + 1] - starts[request])
         if blocks:
-            assert members[tiles[request]][slots[request]] == request
-            assert plan.tile_leader[tiles[request]] == leaders[request]
-            assert plan.tile_prefix_blocks[tiles[request]] == blocks
+            tile = tiles[request]
+            assert 0 <= slots[request] < min(tile_count[tile], plan.members_per_tile)
+            assert members[tile_start[tile] + slots[request]] == request
+            assert plan.tile_leader[tile] == leaders[request]
+            assert plan.tile_prefix_blocks[tile] == blocks
         else:
             assert tiles[request] == -1
-    listed = sorted(m for row in members for m in row if m >= 0)
+    listed = sorted(m for t in range(num_tiles) for m in members[tile_start[t] : tile_start[t] + tile_count[t]])
     assert listed == sorted(i for i, p in enumerate(prefix) if p > 0)
-    # Work lists cover each tile's prefix and each request's suffix exactly once.
-    split = int(plan.prefix_split_tokens)
-    starts_p = plan.prefix_work_start.tolist()
-    for tile, blocks in enumerate(plan.tile_prefix_blocks.tolist()):
-        assert starts_p[tile + 1] - starts_p[tile] == -(-blocks * 16 // split)
-    assert starts_p[-1] <= plan.max_prefix_work
-    split = int(plan.suffix_split_tokens)
-    starts_s = plan.suffix_work_start.tolist()
+    # Work lists cover each tile's prefix and each request's suffix once, in items of about one split.
+    work = plan.work_start.tolist()
+    prefix_split, suffix_split = plan.split_tokens.tolist()
+
+    def items(length: int, split: int) -> int:
+        return 0 if length <= 0 else max(1, -(-(length - split // 8) // split))
+
+    for tile in range(num_requests):
+        length = plan.tile_prefix_blocks[tile].item() * 16 if tile < num_tiles else 0
+        assert work[tile + 1] - work[tile] == items(length, prefix_split)
+    assert work[num_requests] <= plan.max_prefix_work
     for request, blocks in enumerate(prefix):
-        assert starts_s[request + 1] - starts_s[request] == -(-(seq[request] - blocks * 16) // split)
-    assert starts_s[-1] <= plan.max_suffix_work
+        owner = num_requests + request
+        assert work[owner + 1] - work[owner] == items(seq[request] - blocks * 16, suffix_split)
+    assert work[-1] - work[num_requests] <= plan.max_suffix_work
+    assert int(plan.num_groups) == sum(1 for i, p in enumerate(prefix) if p > 0 and leaders[i] == i)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_invariants(seed: int) -> None:
+    batch = _random_batch(seed)
+    for backend in ("triton", "torch"):
+        _check_invariants(_plan(batch, backend=backend, split_granularity=16, multiprocessors=3), batch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("members", [16, 32])
+def test_triton_plan_equals_torch_plan(members: int) -> None:
+    # Members of a group may sit in any slot order on the device; every other field is the same as the torch twin.
+    batch = make_decode_batch([70, 45, 300], [[5, 9, 0, 3], [12, 1, 7], [2] * 9], root_blocks=1, shuffle=True, seed=4)
+    device = _plan(batch, backend="triton", prefix_block_m=members, split_granularity=16)
+    host = _plan(batch, backend="torch", prefix_block_m=members, split_granularity=16)
+    for name in ("prefix_blocks", "group_leader", "work_start", "split_tokens", "num_groups", "saved_block_reads"):
+        assert torch.equal(getattr(device, name), getattr(host, name)), name
+    num_tiles = int(host.tile_of.max()) + 1
+    for name in ("tile_leader", "tile_prefix_blocks", "tile_member_start", "tile_member_count"):
+        assert torch.equal(getattr(device, name)[:num_tiles], getattr(host, name)[:num_tiles]), name
+    _check_invariants(device, batch)
+
+
+def test_workspace_is_zero_again_after_each_plan() -> None:
+    workspace = ForestWorkspace(200, "cpu")
+    for seed in range(3):
+        batch = _random_batch(seed)
+        plan = _plan(batch, backend="triton", workspace=workspace)
+        assert plan.group_leader.tolist() == _reference(batch, ForestGrouping())[0]
+        assert not workspace.counts.any() and not workspace.leader_slots.any() and not workspace.ticket.any()
+    with pytest.raises(PlanError, match="ForestWorkspace"):
+        _plan(_random_batch(0), backend="triton", workspace=ForestWorkspace(2, "cpu"))
+
+
+def test_ids_outside_the_cache_are_never_grouped() -> None:
+    batch = make_decode_batch([64], [[3, 4, 5]], seed=8)
+    table = batch.block_table.clone()
+    table[:, 1] = -5
+    odd = DecodeBatch(**{**vars(batch), "block_table": table})
+    plan = _plan(odd, backend="triton")
+    # The common run stops at the bad id: the first block is the only verified shared prefix.
+    assert plan.prefix_blocks.tolist() == [1, 1, 1]
 
 
 def test_siblings_share_prompt_blocks_under_a_common_root() -> None:

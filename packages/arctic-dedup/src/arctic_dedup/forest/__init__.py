@@ -1,13 +1,21 @@
 """Forest cascade decode: shared-prefix paged decode attention for batches of sampled responses."""
 
 from arctic_dedup.forest.decode import forest_decode, paged_decode
-from arctic_dedup.forest.plan import ForestGrouping, ForestKernelConfig, ForestPlan, plan_forest, plan_paged
+from arctic_dedup.forest.plan import (
+    ForestGrouping,
+    ForestKernelConfig,
+    ForestPlan,
+    ForestWorkspace,
+    plan_forest,
+    plan_paged,
+)
 from arctic_dedup.forest.reference import reference_forest_groups, reference_paged_attention
 
 __all__ = [
     "ForestGrouping",
     "ForestKernelConfig",
     "ForestPlan",
+    "ForestWorkspace",
     "forest_decode",
     "paged_decode",
     "plan_forest",

@@ -1,17 +1,26 @@
 # mypy: disable-error-code="no-untyped-def"
 """Triton kernels for forest cascade decode (``@triton.jit`` code only).
 
-Three kernels share one partial-result format: for every query row a normalized partial output ``o`` (fp32) and
-its log-sum-exp in natural log (``-inf`` when the row saw no key).
+Planning (once per step, three launches, no host sync):
 
-- ``prefix_attention_kernel``: one program per (prefix work item, kv head). A work item is one split of one group
-  tile's shared prefix; the tile packs the GQA query heads of up to ``MEMBERS`` requests as the rows of one matrix,
-  so the prefix is read once for all of them and the products run on tensor cores.
-- ``suffix_attention_kernel``: one program per (suffix work item, kv head). A work item is one split of one
-  request's own tokens (from its group's prefix end, or from 0, to its sequence length), causal within the new
-  query tokens. With no prefix this is the per-request paged decode kernel.
-- ``combine_kernel``: one program per (request, kv head); merges the request's prefix and suffix partials by
-  log-sum-exp and writes the output and the LSE.
+- ``plan_count_kernel``: one program per request; counts how many eligible table entries of the batch hold each
+  physical block id (a histogram in a zeroed workspace).
+- ``plan_cut_kernel``: one program per request; cuts it at the depth that saves the most block reads and claims the
+  group of the cut block for the lowest request index (``atomic_max`` of ``N - request``).
+- ``plan_group_kernel``: one program per request; verifies its prefix against its leader's row, joins the group
+  (``atomic_min`` of the common run, ``atomic_add`` of the size gives the member's rank), clears its histogram
+  entries; the last program to finish (a ticket counter) builds the tiles and work lists for the whole batch and
+  clears the rest of the workspace, so the workspace is zero again for the next step.
+- ``plan_paged_kernel``: the same finishing step for a plan without groups (the per-request kernel's work list).
+
+Decode (per layer, two launches):
+
+- ``forest_attention_kernel``: one program per (work item, kv head). Work items are prefix splits of group tiles
+  first (long, tensor-core tiles of the GQA heads of up to ``MEMBERS`` requests reading the shared prefix once), then
+  suffix splits of requests (each request's own tokens, causal within its query tokens). A request whose whole
+  context is one suffix item writes its output directly; every other item writes a normalized fp32 partial and its
+  log-sum-exp (natural log, ``-inf`` for a row that saw no key).
+- ``forest_combine_kernel``: one program per (request, kv head) that has partials; merges them by log-sum-exp.
 
 Row ``r`` of a request's row block stands for query token ``r // G`` and query head ``kv_head * G + r % G``.
 """
@@ -22,19 +31,373 @@ import triton.language as tl
 LN_2 = tl.constexpr(0.6931471805599453)
 
 
+# ---------------------------------------------------------------------------------------------------- planning
+
+
 @triton.jit
-def _find_owner(starts_ptr, work, NUM_OWNERS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    # Largest owner index o in [0, NUM_OWNERS) with starts[o] <= work; owners with no work share their start with
-    # the next owner, so the largest such index is the one that owns the item.
-    low = 0
-    high = NUM_OWNERS
-    for _ in tl.static_range(SEARCH_STEPS):
-        middle = (low + high) // 2
-        start = tl.load(starts_ptr + middle)
-        take = start <= work
-        low = tl.where(take, middle, low)
-        high = tl.where(take, high, middle)
-    return low
+def _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks):
+    # Only full blocks that lie entirely before the request's first query token can be a prefix all queries see.
+    seq_len = tl.load(seq_lens_ptr + request)
+    query_len = tl.load(query_start_ptr + request + 1) - tl.load(query_start_ptr + request)
+    return tl.minimum(tl.maximum(seq_len - query_len, 0) // block_size, max_blocks)
+
+
+@triton.jit
+def plan_count_kernel(
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    counts_ptr,
+    group_min_ptr,
+    group_count_ptr,
+    stride_table_row,
+    max_blocks,
+    num_cache_blocks,
+    block_size,
+    BLOCK_E: tl.constexpr,
+):
+    request = tl.program_id(0)
+    eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
+    row = block_table_ptr + request.to(tl.int64) * stride_table_row
+    for start in range(0, eligible, BLOCK_E):
+        depth = start + tl.arange(0, BLOCK_E)
+        valid = depth < eligible
+        ids = tl.load(row + depth, mask=valid, other=-1)
+        # Ids outside the cache are never counted, so they can never be shared (and never index out of bounds).
+        known = valid & (ids >= 0) & (ids < num_cache_blocks)
+        tl.atomic_add(counts_ptr + ids, 1, mask=known, sem="relaxed")
+    # The group pass lowers these with atomics; a common run never exceeds max_blocks.
+    tl.store(group_min_ptr + request, max_blocks)
+    tl.store(group_count_ptr + request, 0)
+
+
+@triton.jit
+def plan_cut_kernel(
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    counts_ptr,
+    leader_slot_ptr,
+    cut_key_ptr,
+    stride_table_row,
+    max_blocks,
+    num_cache_blocks,
+    block_size,
+    num_requests,
+    min_group_size,
+    min_prefix_blocks,
+    BLOCK_E: tl.constexpr,
+):
+    request = tl.program_id(0)
+    eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
+    row = block_table_ptr + request.to(tl.int64) * stride_table_row
+    best = tl.zeros([], dtype=tl.int64)
+    best_depth = tl.zeros([], dtype=tl.int32)
+    for start in range(0, eligible, BLOCK_E):
+        depth = start + tl.arange(0, BLOCK_E)
+        valid = depth < eligible
+        ids = tl.load(row + depth, mask=valid, other=-1)
+        known = valid & (ids >= 0) & (ids < num_cache_blocks)
+        shared = tl.load(counts_ptr + ids, mask=known, other=0)
+        usable = known & (shared >= min_group_size) & (depth + 1 >= min_prefix_blocks)
+        savings = tl.where(usable, (shared - 1).to(tl.int64) * (depth + 1), 0)
+        chunk_best = tl.max(savings, 0)
+        # The first depth reaching the chunk's maximum; a later chunk wins only with a strictly larger saving.
+        chunk_depth = tl.min(tl.where(savings == chunk_best, depth, max_blocks), 0)
+        best_depth = tl.where(chunk_best > best, chunk_depth, best_depth)
+        best = tl.maximum(best, chunk_best)
+    candidate = best > 0
+    key = tl.load(row + best_depth, mask=candidate, other=-1)
+    tl.store(cut_key_ptr + request, tl.where(candidate, key, -1).to(tl.int32))
+    # The lowest request index cut at this block leads its group: the slot keeps the largest N - request.
+    tl.atomic_max(leader_slot_ptr + key, num_requests - request, mask=candidate, sem="relaxed")
+
+
+@triton.jit
+def _split_tokens(total_tokens, target_items, granularity):
+    split = (tl.maximum(total_tokens, 1) + target_items - 1) // target_items
+    return (split + granularity - 1) // granularity * granularity
+
+
+@triton.jit
+def _item_count(lengths, split):
+    # A remainder under an eighth of a split joins the last item instead of becoming an item of its own.
+    return tl.where(lengths > 0, tl.maximum((lengths - split // 8 + split - 1) // split, 1), 0)
+
+
+@triton.jit
+def _finish_plan(
+    seq_lens_ptr,
+    leader_of_ptr,
+    rank_of_ptr,
+    group_min_ptr,
+    group_count_ptr,
+    first_tile_ptr,
+    first_member_ptr,
+    prefix_blocks_ptr,
+    group_leader_ptr,
+    tile_of_ptr,
+    slot_in_tile_ptr,
+    tile_leader_ptr,
+    tile_prefix_blocks_ptr,
+    tile_member_start_ptr,
+    tile_member_count_ptr,
+    member_list_ptr,
+    work_start_ptr,
+    split_tokens_ptr,
+    stats_ptr,
+    num_requests,
+    block_size,
+    min_group_size,
+    min_prefix_blocks,
+    min_grouped_requests,
+    max_groups,
+    prefix_target_items,
+    suffix_target_items,
+    granularity,
+    GROUPED: tl.constexpr,
+    MEMBERS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    requests = tl.arange(0, BLOCK_R)
+    in_batch = requests < num_requests
+    seq_lens = tl.load(seq_lens_ptr + requests, mask=in_batch, other=0)
+    if GROUPED:
+        # Written by other programs of this launch through L2 (atomics): read around L1.
+        leader = tl.load(leader_of_ptr + requests, mask=in_batch, other=0, cache_modifier=".cg")
+        rank = tl.load(rank_of_ptr + requests, mask=in_batch, other=-1, cache_modifier=".cg")
+        candidate = in_batch & (rank >= 0)
+        common = tl.load(group_min_ptr + leader, mask=candidate, other=0, cache_modifier=".cg")
+        size = tl.load(group_count_ptr + leader, mask=candidate, other=0, cache_modifier=".cg")
+        grouped = candidate & (size >= min_group_size) & (common >= min_prefix_blocks)
+        is_leader = grouped & (leader == requests)
+        num_groups = tl.sum(is_leader.to(tl.int32), 0)
+        num_grouped = tl.sum(grouped.to(tl.int32), 0)
+        keep = (num_grouped >= min_grouped_requests) & ((max_groups < 0) | (num_groups <= max_groups))
+        grouped = grouped & keep
+        is_leader = is_leader & keep
+        leader = tl.where(grouped, leader, requests)
+        prefix = tl.where(grouped, common, 0)
+        # Tiles and member lists are laid out in the order of the leaders' request indices.
+        group_tiles = tl.where(is_leader, (size + MEMBERS - 1) // MEMBERS, 0)
+        group_members = tl.where(is_leader, size, 0)
+        tl.store(first_tile_ptr + requests, tl.cumsum(group_tiles, 0) - group_tiles, mask=in_batch)
+        tl.store(first_member_ptr + requests, tl.cumsum(group_members, 0) - group_members, mask=in_batch)
+        tl.debug_barrier()
+        first_tile = tl.load(first_tile_ptr + leader, mask=grouped, other=0)
+        first_member = tl.load(first_member_ptr + leader, mask=grouped, other=0)
+        tile = tl.where(grouped, first_tile + rank // MEMBERS, -1)
+        slot = tl.where(grouped, rank % MEMBERS, 0)
+        tl.store(member_list_ptr + first_member + rank, requests, mask=grouped)
+        opens_tile = grouped & (slot == 0)
+        tl.store(tile_leader_ptr + tile, leader, mask=opens_tile)
+        tl.store(tile_prefix_blocks_ptr + tile, prefix, mask=opens_tile)
+        tl.store(tile_member_start_ptr + tile, first_member + rank, mask=opens_tile)
+        tl.store(tile_member_count_ptr + tile, tl.minimum(size - rank, MEMBERS), mask=opens_tile)
+        num_tiles = tl.sum(group_tiles, 0)
+        tl.debug_barrier()
+        tile_prefix = tl.load(tile_prefix_blocks_ptr + requests, mask=requests < num_tiles, other=0)
+        saved = tl.sum(prefix, 0) - tl.sum(tl.where(is_leader, prefix, 0), 0)
+        num_groups = tl.sum(is_leader.to(tl.int32), 0)
+        num_grouped = tl.sum(grouped.to(tl.int32), 0)
+    else:
+        leader = requests
+        prefix = tl.zeros([BLOCK_R], dtype=tl.int32)
+        tile = tl.full([BLOCK_R], -1, dtype=tl.int32)
+        slot = tl.zeros([BLOCK_R], dtype=tl.int32)
+        tile_prefix = tl.zeros([BLOCK_R], dtype=tl.int32)
+        saved = tl.zeros([], dtype=tl.int32)
+        num_groups = tl.zeros([], dtype=tl.int32)
+        num_grouped = tl.zeros([], dtype=tl.int32)
+
+    tl.store(prefix_blocks_ptr + requests, prefix, mask=in_batch)
+    tl.store(group_leader_ptr + requests, leader, mask=in_batch)
+    tl.store(tile_of_ptr + requests, tile, mask=in_batch)
+    tl.store(slot_in_tile_ptr + requests, slot, mask=in_batch)
+
+    # Work items: owners 0..N-1 are tiles (prefix splits), owners N..2N-1 are requests (suffix splits).
+    prefix_tokens = tile_prefix * block_size
+    suffix_tokens = tl.where(in_batch, tl.maximum(seq_lens - prefix * block_size, 0), 0)
+    prefix_split = _split_tokens(tl.sum(prefix_tokens, 0), prefix_target_items, granularity)
+    suffix_split = _split_tokens(tl.sum(suffix_tokens, 0), suffix_target_items, granularity)
+    prefix_items = _item_count(prefix_tokens, prefix_split)
+    suffix_items = _item_count(suffix_tokens, suffix_split)
+    prefix_total = tl.sum(prefix_items, 0)
+    tl.store(work_start_ptr + 1 + requests, tl.cumsum(prefix_items, 0), mask=in_batch)
+    tl.store(work_start_ptr + 1 + num_requests + requests, prefix_total + tl.cumsum(suffix_items, 0), mask=in_batch)
+    tl.store(work_start_ptr, 0)
+    tl.store(split_tokens_ptr, prefix_split)
+    tl.store(split_tokens_ptr + 1, suffix_split)
+    tl.store(stats_ptr, num_groups)
+    tl.store(stats_ptr + 1, num_grouped)
+    tl.store(stats_ptr + 2, saved)
+
+
+@triton.jit
+def plan_group_kernel(
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    counts_ptr,
+    leader_slot_ptr,
+    ticket_ptr,
+    cut_key_ptr,
+    leader_of_ptr,
+    rank_of_ptr,
+    group_min_ptr,
+    group_count_ptr,
+    first_tile_ptr,
+    first_member_ptr,
+    prefix_blocks_ptr,
+    group_leader_ptr,
+    tile_of_ptr,
+    slot_in_tile_ptr,
+    tile_leader_ptr,
+    tile_prefix_blocks_ptr,
+    tile_member_start_ptr,
+    tile_member_count_ptr,
+    member_list_ptr,
+    work_start_ptr,
+    split_tokens_ptr,
+    stats_ptr,
+    stride_table_row,
+    max_blocks,
+    num_cache_blocks,
+    block_size,
+    num_requests,
+    min_group_size,
+    min_prefix_blocks,
+    min_grouped_requests,
+    max_groups,
+    prefix_target_items,
+    suffix_target_items,
+    granularity,
+    MEMBERS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    request = tl.program_id(0)
+    key = tl.load(cut_key_ptr + request)
+    candidate = key >= 0
+    leader = num_requests - tl.load(leader_slot_ptr + key, mask=candidate, other=num_requests - request)
+    eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
+    limit = tl.minimum(eligible, _eligible_blocks(seq_lens_ptr, query_start_ptr, leader, block_size, max_blocks))
+    row = block_table_ptr + request.to(tl.int64) * stride_table_row
+    leader_row = block_table_ptr + leader.to(tl.int64) * stride_table_row
+    common = limit
+    for start in range(0, limit, BLOCK_E):
+        depth = start + tl.arange(0, BLOCK_E)
+        valid = depth < limit
+        ids = tl.load(row + depth, mask=valid, other=-1)
+        leader_ids = tl.load(leader_row + depth, mask=valid, other=-1)
+        same = (ids == leader_ids) & (ids >= 0) & (ids < num_cache_blocks)
+        common = tl.minimum(common, tl.min(tl.where(valid & ~same, depth, limit), 0))
+    # The cut pass (the only reader of the histogram) has finished: clear this row's entries for the next step.
+    for start in range(0, eligible, BLOCK_E):
+        depth = start + tl.arange(0, BLOCK_E)
+        valid = depth < eligible
+        ids = tl.load(row + depth, mask=valid, other=-1)
+        known = valid & (ids >= 0) & (ids < num_cache_blocks)
+        tl.store(counts_ptr + ids, 0, mask=known)
+    # Scalar atomics run on one thread in program order, so the acq_rel ticket below publishes all four.
+    tl.atomic_min(group_min_ptr + leader, common, mask=candidate, sem="relaxed")
+    rank = tl.atomic_add(group_count_ptr + leader, 1, mask=candidate, sem="relaxed")
+    tl.atomic_xchg(leader_of_ptr + request, leader, sem="relaxed")
+    tl.atomic_xchg(rank_of_ptr + request, tl.where(candidate, rank, -1), sem="relaxed")
+    arrived = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if arrived == num_requests - 1:
+        _finish_plan(
+            seq_lens_ptr,
+            leader_of_ptr,
+            rank_of_ptr,
+            group_min_ptr,
+            group_count_ptr,
+            first_tile_ptr,
+            first_member_ptr,
+            prefix_blocks_ptr,
+            group_leader_ptr,
+            tile_of_ptr,
+            slot_in_tile_ptr,
+            tile_leader_ptr,
+            tile_prefix_blocks_ptr,
+            tile_member_start_ptr,
+            tile_member_count_ptr,
+            member_list_ptr,
+            work_start_ptr,
+            split_tokens_ptr,
+            stats_ptr,
+            num_requests,
+            block_size,
+            min_group_size,
+            min_prefix_blocks,
+            min_grouped_requests,
+            max_groups,
+            prefix_target_items,
+            suffix_target_items,
+            granularity,
+            True,
+            MEMBERS,
+            BLOCK_R,
+        )
+        # Every program has read its leader slot before taking its ticket: clear the claimed slots, then the ticket.
+        requests = tl.arange(0, BLOCK_R)
+        keys = tl.load(cut_key_ptr + requests, mask=requests < num_requests, other=-1)
+        tl.store(leader_slot_ptr + keys, 0, mask=keys >= 0)
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
+
+
+@triton.jit
+def plan_paged_kernel(
+    seq_lens_ptr,
+    prefix_blocks_ptr,
+    group_leader_ptr,
+    tile_of_ptr,
+    slot_in_tile_ptr,
+    work_start_ptr,
+    split_tokens_ptr,
+    stats_ptr,
+    num_requests,
+    block_size,
+    suffix_target_items,
+    granularity,
+    BLOCK_R: tl.constexpr,
+):
+    _finish_plan(
+        seq_lens_ptr,
+        seq_lens_ptr,
+        seq_lens_ptr,
+        seq_lens_ptr,
+        seq_lens_ptr,
+        seq_lens_ptr,
+        seq_lens_ptr,
+        prefix_blocks_ptr,
+        group_leader_ptr,
+        tile_of_ptr,
+        slot_in_tile_ptr,
+        tile_of_ptr,
+        tile_of_ptr,
+        tile_of_ptr,
+        tile_of_ptr,
+        tile_of_ptr,
+        work_start_ptr,
+        split_tokens_ptr,
+        stats_ptr,
+        num_requests,
+        block_size,
+        2,
+        1,
+        0,
+        -1,
+        1,
+        suffix_target_items,
+        granularity,
+        False,
+        1,
+        BLOCK_R,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- decode
 
 
 @triton.jit
@@ -99,7 +462,7 @@ def _attend_block(
 
 
 @triton.jit
-def _finish_partial(m_i, l_i, acc):
+def _finish_rows(m_i, l_i, acc):
     has_keys = l_i > 0.0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -108,19 +471,25 @@ def _finish_partial(m_i, l_i, acc):
 
 
 @triton.jit
-def prefix_attention_kernel(
+def _prefix_item(
     q_ptr,
     k_ptr,
     v_ptr,
     block_table_ptr,
     query_start_ptr,
     tile_leader_ptr,
-    tile_members_ptr,
     tile_prefix_blocks_ptr,
-    work_start_ptr,
+    tile_member_start_ptr,
+    tile_member_count_ptr,
+    member_list_ptr,
     split_tokens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    tile,
+    item,
+    item_count,
+    work,
+    kv_head,
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -136,9 +505,6 @@ def prefix_attention_kernel(
     stride_table_row,
     head_dim,
     num_kv_heads,
-    NUM_TILES: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
-    MEMBERS: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PAGE: tl.constexpr,
@@ -148,98 +514,91 @@ def prefix_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    work = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    total_work = tl.load(work_start_ptr + NUM_TILES)
-    if work < total_work:
-        tile = _find_owner(work_start_ptr, work, NUM_TILES, SEARCH_STEPS)
-        split = work - tl.load(work_start_ptr + tile)
-        split_tokens = tl.load(split_tokens_ptr)
-        leader = tl.load(tile_leader_ptr + tile).to(tl.int64)
-        prefix_tokens = tl.load(tile_prefix_blocks_ptr + tile) * PAGE
-        token_start = split * split_tokens
-        token_end = tl.minimum(token_start + split_tokens, prefix_tokens)
+    split_tokens = tl.load(split_tokens_ptr)
+    leader = tl.load(tile_leader_ptr + tile).to(tl.int64)
+    prefix_tokens = tl.load(tile_prefix_blocks_ptr + tile) * PAGE
+    token_start = item * split_tokens
+    token_end = tl.where(item == item_count - 1, prefix_tokens, token_start + split_tokens)
+    member_start = tl.load(tile_member_start_ptr + tile)
+    member_count = tl.load(tile_member_count_ptr + tile)
 
-        rows = tl.arange(0, BLOCK_M)
-        rows_per_member = QMAX * G
-        member_slot = rows // rows_per_member
-        query_offset = (rows // G) % QMAX
-        head = kv_head * G + rows % G
-        member = tl.load(tile_members_ptr + tile * MEMBERS + member_slot, mask=member_slot < MEMBERS, other=-1)
-        member_ok = member >= 0
-        safe_member = tl.where(member_ok, member, 0).to(tl.int64)
-        query_begin = tl.load(query_start_ptr + safe_member, mask=member_ok, other=0)
-        query_end = tl.load(query_start_ptr + safe_member + 1, mask=member_ok, other=0)
-        row_ok = member_ok & (query_offset < query_end - query_begin)
-        token = (query_begin + query_offset).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    member_slot = rows // (QMAX * G)
+    query_offset = (rows // G) % QMAX
+    head = kv_head * G + rows % G
+    member_ok = member_slot < member_count
+    member = tl.load(member_list_ptr + member_start + member_slot, mask=member_ok, other=0).to(tl.int64)
+    query_begin = tl.load(query_start_ptr + member, mask=member_ok, other=0)
+    query_end = tl.load(query_start_ptr + member + 1, mask=member_ok, other=0)
+    row_ok = member_ok & (query_offset < query_end - query_begin)
+    token = (query_begin + query_offset).to(tl.int64)
 
-        dims = tl.arange(0, HEAD_DIM)
-        dim_ok = dims < head_dim
-        q_offsets = token[:, None] * stride_q_token + head[:, None].to(tl.int64) * stride_q_head
-        q = tl.load(
-            q_ptr + q_offsets + dims[None, :].to(tl.int64) * stride_q_dim,
-            mask=row_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            q = q.to(tl.float32)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        m_i, l_i, acc = _attend_block(
-            q,
-            k_ptr,
-            v_ptr,
-            block_table_ptr + leader * stride_table_row,
-            token_start,
-            token_end,
-            kv_head,
-            token,
-            m_i,
-            l_i,
-            acc,
-            scale_log2,
-            stride_k_block,
-            stride_k_token,
-            stride_k_head,
-            stride_k_dim,
-            stride_v_block,
-            stride_v_token,
-            stride_v_head,
-            stride_v_dim,
-            head_dim,
-            PAGE,
-            False,
-            BLOCK_N,
-            HEAD_DIM,
-            UPCAST,
-            DOT_PRECISION,
-        )
-        out, lse = _finish_partial(m_i, l_i, acc)
-        item = (work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head
-        row_index = item * BLOCK_M + rows
-        tl.store(
-            part_out_ptr + row_index[:, None] * head_dim + dims[None, :],
-            out,
-            mask=row_ok[:, None] & dim_ok[None, :],
-        )
-        tl.store(part_lse_ptr + row_index, lse, mask=row_ok)
+    dims = tl.arange(0, HEAD_DIM)
+    dim_ok = dims < head_dim
+    q_offsets = token[:, None] * stride_q_token + head[:, None].to(tl.int64) * stride_q_head
+    q = tl.load(
+        q_ptr + q_offsets + dims[None, :].to(tl.int64) * stride_q_dim, mask=row_ok[:, None] & dim_ok[None, :], other=0.0
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i, l_i, acc = _attend_block(
+        q,
+        k_ptr,
+        v_ptr,
+        block_table_ptr + leader * stride_table_row,
+        token_start,
+        token_end,
+        kv_head,
+        token,
+        m_i,
+        l_i,
+        acc,
+        scale_log2,
+        stride_k_block,
+        stride_k_token,
+        stride_k_head,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_token,
+        stride_v_head,
+        stride_v_dim,
+        head_dim,
+        PAGE,
+        False,
+        BLOCK_N,
+        HEAD_DIM,
+        UPCAST,
+        DOT_PRECISION,
+    )
+    out, lse = _finish_rows(m_i, l_i, acc)
+    row_index = ((work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head) * BLOCK_M + rows
+    tl.store(part_out_ptr + row_index[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(part_lse_ptr + row_index, lse, mask=row_ok)
 
 
 @triton.jit
-def suffix_attention_kernel(
+def _suffix_item(
     q_ptr,
     k_ptr,
     v_ptr,
     block_table_ptr,
     query_start_ptr,
     seq_lens_ptr,
-    start_blocks_ptr,
-    work_start_ptr,
+    prefix_blocks_ptr,
+    tile_of_ptr,
     split_tokens_ptr,
+    out_ptr,
+    lse_ptr,
     part_out_ptr,
     part_lse_ptr,
+    request,
+    item,
+    item_count,
+    suffix_work,
+    kv_head,
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -253,122 +612,6 @@ def suffix_attention_kernel(
     stride_v_head,
     stride_v_dim,
     stride_table_row,
-    head_dim,
-    num_kv_heads,
-    NUM_REQUESTS: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
-    G: tl.constexpr,
-    QMAX: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    work = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    total_work = tl.load(work_start_ptr + NUM_REQUESTS)
-    if work < total_work:
-        request = _find_owner(work_start_ptr, work, NUM_REQUESTS, SEARCH_STEPS).to(tl.int64)
-        split = work - tl.load(work_start_ptr + request)
-        split_tokens = tl.load(split_tokens_ptr)
-        seq_len = tl.load(seq_lens_ptr + request)
-        query_begin = tl.load(query_start_ptr + request)
-        query_len = tl.load(query_start_ptr + request + 1) - query_begin
-        token_start = tl.load(start_blocks_ptr + request) * PAGE + split * split_tokens
-        token_end = tl.minimum(token_start + split_tokens, seq_len)
-
-        rows = tl.arange(0, BLOCK_M)
-        query_offset = rows // G
-        head = kv_head * G + rows % G
-        row_ok = (query_offset < query_len) & (rows < QMAX * G)
-        token = (query_begin + query_offset).to(tl.int64)
-        query_position = seq_len - query_len + query_offset
-
-        dims = tl.arange(0, HEAD_DIM)
-        dim_ok = dims < head_dim
-        q_offsets = token[:, None] * stride_q_token + head[:, None].to(tl.int64) * stride_q_head
-        q = tl.load(
-            q_ptr + q_offsets + dims[None, :].to(tl.int64) * stride_q_dim,
-            mask=row_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            q = q.to(tl.float32)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        m_i, l_i, acc = _attend_block(
-            q,
-            k_ptr,
-            v_ptr,
-            block_table_ptr + request * stride_table_row,
-            token_start,
-            token_end,
-            kv_head,
-            query_position,
-            m_i,
-            l_i,
-            acc,
-            scale_log2,
-            stride_k_block,
-            stride_k_token,
-            stride_k_head,
-            stride_k_dim,
-            stride_v_block,
-            stride_v_token,
-            stride_v_head,
-            stride_v_dim,
-            head_dim,
-            PAGE,
-            True,
-            BLOCK_N,
-            HEAD_DIM,
-            UPCAST,
-            DOT_PRECISION,
-        )
-        out, lse = _finish_partial(m_i, l_i, acc)
-        item = (work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head
-        row_index = item * BLOCK_M + rows
-        tl.store(
-            part_out_ptr + row_index[:, None] * head_dim + dims[None, :],
-            out,
-            mask=row_ok[:, None] & dim_ok[None, :],
-        )
-        tl.store(part_lse_ptr + row_index, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_partial(part_out_ptr, part_lse_ptr, row_index, row_ok, dims, dim_ok, head_dim, run_max, run_sum, acc):
-    lse = tl.load(part_lse_ptr + row_index, mask=row_ok, other=float("-inf"))
-    part = tl.load(
-        part_out_ptr + row_index[:, None] * head_dim + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
-    )
-    new_max = tl.maximum(run_max, lse)
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    old_scale = tl.exp(run_max - shift)
-    part_scale = tl.exp(lse - shift)
-    run_sum = run_sum * old_scale + part_scale
-    # A partial with lse = -inf saw no key; its (unwritten) output must not reach the sum, even as 0 * NaN.
-    acc = acc * old_scale[:, None] + tl.where(part_scale[:, None] > 0.0, part * part_scale[:, None], 0.0)
-    return new_max, run_sum, acc
-
-
-@triton.jit
-def combine_kernel(
-    out_ptr,
-    lse_ptr,
-    query_start_ptr,
-    tile_of_ptr,
-    slot_in_tile_ptr,
-    prefix_work_start_ptr,
-    prefix_part_out_ptr,
-    prefix_part_lse_ptr,
-    suffix_work_start_ptr,
-    suffix_part_out_ptr,
-    suffix_part_lse_ptr,
     stride_out_token,
     stride_out_head,
     stride_out_dim,
@@ -379,75 +622,406 @@ def combine_kernel(
     HAS_PREFIX: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
-    PREFIX_BLOCK_M: tl.constexpr,
-    SUFFIX_BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    request = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    split_tokens = tl.load(split_tokens_ptr + 1)
+    seq_len = tl.load(seq_lens_ptr + request)
     query_begin = tl.load(query_start_ptr + request)
     query_len = tl.load(query_start_ptr + request + 1) - query_begin
-    rows = tl.arange(0, BLOCK_R)
+    token_start = tl.load(prefix_blocks_ptr + request) * PAGE + item * split_tokens
+    token_end = tl.where(item == item_count - 1, seq_len, token_start + split_tokens)
+
+    rows = tl.arange(0, BLOCK_M)
     query_offset = rows // G
     head = kv_head * G + rows % G
     row_ok = (query_offset < query_len) & (rows < QMAX * G)
+    token = (query_begin + query_offset).to(tl.int64)
+    query_position = seq_len - query_len + query_offset
+
     dims = tl.arange(0, HEAD_DIM)
     dim_ok = dims < head_dim
-
-    run_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    run_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-
+    q_offsets = token[:, None] * stride_q_token + head[:, None].to(tl.int64) * stride_q_head
+    q = tl.load(
+        q_ptr + q_offsets + dims[None, :].to(tl.int64) * stride_q_dim, mask=row_ok[:, None] & dim_ok[None, :], other=0.0
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i, l_i, acc = _attend_block(
+        q,
+        k_ptr,
+        v_ptr,
+        block_table_ptr + request * stride_table_row,
+        token_start,
+        token_end,
+        kv_head,
+        query_position,
+        m_i,
+        l_i,
+        acc,
+        scale_log2,
+        stride_k_block,
+        stride_k_token,
+        stride_k_head,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_token,
+        stride_v_head,
+        stride_v_dim,
+        head_dim,
+        PAGE,
+        True,
+        BLOCK_N,
+        HEAD_DIM,
+        UPCAST,
+        DOT_PRECISION,
+    )
+    out, lse = _finish_rows(m_i, l_i, acc)
+    direct = item_count == 1
     if HAS_PREFIX:
-        tile = tl.load(tile_of_ptr + request)
-        if tile >= 0:
-            slot = tl.load(slot_in_tile_ptr + request)
-            first = tl.load(prefix_work_start_ptr + tile)
-            last = tl.load(prefix_work_start_ptr + tile + 1)
-            for work in range(first, last):
-                item = (work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head
-                row_index = item * PREFIX_BLOCK_M + slot * (QMAX * G) + rows
-                run_max, run_sum, acc = _merge_partial(
+        direct = direct & (tl.load(tile_of_ptr + request) < 0)
+    if direct:
+        # The request's whole context was this one item: this is the final result (the combine skips it).
+        out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
+        tl.store(
+            out_ptr + out_offsets + dims[None, :].to(tl.int64) * stride_out_dim,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+        tl.store(lse_ptr + token * stride_lse_token + head.to(tl.int64) * stride_lse_head, lse, mask=row_ok)
+    else:
+        row_index = ((suffix_work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head) * ROWS + rows
+        tl.store(
+            part_out_ptr + row_index[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :]
+        )
+        tl.store(part_lse_ptr + row_index, lse, mask=row_ok)
+
+
+@triton.jit
+def forest_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    prefix_blocks_ptr,
+    tile_of_ptr,
+    tile_leader_ptr,
+    tile_prefix_blocks_ptr,
+    tile_member_start_ptr,
+    tile_member_count_ptr,
+    member_list_ptr,
+    work_start_ptr,
+    split_tokens_ptr,
+    out_ptr,
+    lse_ptr,
+    prefix_part_out_ptr,
+    prefix_part_lse_ptr,
+    suffix_part_out_ptr,
+    suffix_part_lse_ptr,
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_q_dim,
+    stride_k_block,
+    stride_k_token,
+    stride_k_head,
+    stride_k_dim,
+    stride_v_block,
+    stride_v_token,
+    stride_v_head,
+    stride_v_dim,
+    stride_table_row,
+    stride_out_token,
+    stride_out_head,
+    stride_out_dim,
+    stride_lse_token,
+    stride_lse_head,
+    num_requests,
+    head_dim,
+    num_kv_heads,
+    HAS_PREFIX: tl.constexpr,
+    OWNERS_BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    QMAX: tl.constexpr,
+    PAGE: tl.constexpr,
+    PREFIX_BLOCK_M: tl.constexpr,
+    SUFFIX_BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    PREFIX_BLOCK_N: tl.constexpr,
+    SUFFIX_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # The kv heads of one item are adjacent programs: they read neighbouring bytes of the same cache blocks.
+    pid = tl.program_id(0)
+    work = pid // num_kv_heads
+    kv_head = pid % num_kv_heads
+    total_work = tl.load(work_start_ptr + 2 * num_requests)
+    if work < total_work:
+        # The owner is the number of owners whose items all lie before this one: one vector load, no search chain.
+        owners = tl.arange(0, OWNERS_BLOCK)
+        ends = tl.load(work_start_ptr + 1 + owners, mask=owners < 2 * num_requests, other=total_work + 1)
+        owner = tl.sum((ends <= work).to(tl.int32), 0)
+        first = tl.load(work_start_ptr + owner)
+        item = work - first
+        item_count = tl.load(work_start_ptr + owner + 1) - first
+        prefix_total = tl.load(work_start_ptr + num_requests)
+        if HAS_PREFIX:
+            if owner < num_requests:
+                _prefix_item(
+                    q_ptr,
+                    k_ptr,
+                    v_ptr,
+                    block_table_ptr,
+                    query_start_ptr,
+                    tile_leader_ptr,
+                    tile_prefix_blocks_ptr,
+                    tile_member_start_ptr,
+                    tile_member_count_ptr,
+                    member_list_ptr,
+                    split_tokens_ptr,
                     prefix_part_out_ptr,
                     prefix_part_lse_ptr,
-                    row_index,
-                    row_ok,
-                    dims,
-                    dim_ok,
+                    owner,
+                    item,
+                    item_count,
+                    work,
+                    kv_head,
+                    scale_log2,
+                    stride_q_token,
+                    stride_q_head,
+                    stride_q_dim,
+                    stride_k_block,
+                    stride_k_token,
+                    stride_k_head,
+                    stride_k_dim,
+                    stride_v_block,
+                    stride_v_token,
+                    stride_v_head,
+                    stride_v_dim,
+                    stride_table_row,
                     head_dim,
-                    run_max,
-                    run_sum,
-                    acc,
+                    num_kv_heads,
+                    G,
+                    QMAX,
+                    PAGE,
+                    PREFIX_BLOCK_M,
+                    PREFIX_BLOCK_N,
+                    HEAD_DIM,
+                    UPCAST,
+                    DOT_PRECISION,
                 )
+            else:
+                _suffix_item(
+                    q_ptr,
+                    k_ptr,
+                    v_ptr,
+                    block_table_ptr,
+                    query_start_ptr,
+                    seq_lens_ptr,
+                    prefix_blocks_ptr,
+                    tile_of_ptr,
+                    split_tokens_ptr,
+                    out_ptr,
+                    lse_ptr,
+                    suffix_part_out_ptr,
+                    suffix_part_lse_ptr,
+                    (owner - num_requests).to(tl.int64),
+                    item,
+                    item_count,
+                    work - prefix_total,
+                    kv_head,
+                    scale_log2,
+                    stride_q_token,
+                    stride_q_head,
+                    stride_q_dim,
+                    stride_k_block,
+                    stride_k_token,
+                    stride_k_head,
+                    stride_k_dim,
+                    stride_v_block,
+                    stride_v_token,
+                    stride_v_head,
+                    stride_v_dim,
+                    stride_table_row,
+                    stride_out_token,
+                    stride_out_head,
+                    stride_out_dim,
+                    stride_lse_token,
+                    stride_lse_head,
+                    head_dim,
+                    num_kv_heads,
+                    HAS_PREFIX,
+                    G,
+                    QMAX,
+                    PAGE,
+                    SUFFIX_BLOCK_M,
+                    ROWS,
+                    SUFFIX_BLOCK_N,
+                    HEAD_DIM,
+                    UPCAST,
+                    DOT_PRECISION,
+                )
+        else:
+            _suffix_item(
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                block_table_ptr,
+                query_start_ptr,
+                seq_lens_ptr,
+                prefix_blocks_ptr,
+                tile_of_ptr,
+                split_tokens_ptr,
+                out_ptr,
+                lse_ptr,
+                suffix_part_out_ptr,
+                suffix_part_lse_ptr,
+                (owner - num_requests).to(tl.int64),
+                item,
+                item_count,
+                work - prefix_total,
+                kv_head,
+                scale_log2,
+                stride_q_token,
+                stride_q_head,
+                stride_q_dim,
+                stride_k_block,
+                stride_k_token,
+                stride_k_head,
+                stride_k_dim,
+                stride_v_block,
+                stride_v_token,
+                stride_v_head,
+                stride_v_dim,
+                stride_table_row,
+                stride_out_token,
+                stride_out_head,
+                stride_out_dim,
+                stride_lse_token,
+                stride_lse_head,
+                head_dim,
+                num_kv_heads,
+                HAS_PREFIX,
+                G,
+                QMAX,
+                PAGE,
+                SUFFIX_BLOCK_M,
+                ROWS,
+                SUFFIX_BLOCK_N,
+                HEAD_DIM,
+                UPCAST,
+                DOT_PRECISION,
+            )
 
-    first = tl.load(suffix_work_start_ptr + request)
-    last = tl.load(suffix_work_start_ptr + request + 1)
-    for work in range(first, last):
-        item = (work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head
-        row_index = item * SUFFIX_BLOCK_M + rows
-        run_max, run_sum, acc = _merge_partial(
-            suffix_part_out_ptr,
-            suffix_part_lse_ptr,
-            row_index,
-            row_ok,
-            dims,
-            dim_ok,
-            head_dim,
-            run_max,
-            run_sum,
-            acc,
+
+@triton.jit
+def forest_combine_kernel(
+    out_ptr,
+    lse_ptr,
+    query_start_ptr,
+    tile_of_ptr,
+    slot_in_tile_ptr,
+    work_start_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    suffix_part_offset,
+    stride_out_token,
+    stride_out_head,
+    stride_out_dim,
+    stride_lse_token,
+    stride_lse_head,
+    num_requests,
+    head_dim,
+    num_kv_heads,
+    HAS_PREFIX: tl.constexpr,
+    G: tl.constexpr,
+    QMAX: tl.constexpr,
+    PREFIX_BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    request = pid // num_kv_heads
+    kv_head = pid % num_kv_heads
+    suffix_first = tl.load(work_start_ptr + num_requests + request)
+    suffix_count = tl.load(work_start_ptr + num_requests + request + 1) - suffix_first
+    tile = tl.full([], -1, dtype=tl.int32)
+    if HAS_PREFIX:
+        tile = tl.load(tile_of_ptr + request)
+    # A request whose context was one suffix item was written by the attention kernel itself.
+    if (tile >= 0) | (suffix_count != 1):
+        prefix_first = tl.zeros([], dtype=tl.int32)
+        prefix_count = tl.zeros([], dtype=tl.int32)
+        slot = tl.zeros([], dtype=tl.int32)
+        if tile >= 0:
+            prefix_first = tl.load(work_start_ptr + tile)
+            prefix_count = tl.load(work_start_ptr + tile + 1) - prefix_first
+            slot = tl.load(slot_in_tile_ptr + request)
+        suffix_base = suffix_first - tl.load(work_start_ptr + num_requests)
+        query_begin = tl.load(query_start_ptr + request)
+        query_len = tl.load(query_start_ptr + request + 1) - query_begin
+        rows = tl.arange(0, ROWS)
+        query_offset = rows // G
+        head = kv_head * G + rows % G
+        row_ok = (query_offset < query_len) & (rows < QMAX * G)
+        dims = tl.arange(0, HEAD_DIM)
+        dim_ok = dims < head_dim
+
+        run_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        run_sum = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        # Every partial of a chunk is loaded at once, so a long list of splits costs few round trips.
+        for chunk_start in range(0, prefix_count + suffix_count, CHUNK):
+            index = chunk_start + tl.arange(0, CHUNK)
+            item_ok = index < prefix_count + suffix_count
+            from_prefix = index < prefix_count
+            prefix_row = ((prefix_first + index).to(tl.int64) * num_kv_heads + kv_head) * PREFIX_BLOCK_M + slot * (
+                QMAX * G
+            )
+            suffix_row = (
+                suffix_part_offset + ((suffix_base + index - prefix_count).to(tl.int64) * num_kv_heads + kv_head) * ROWS
+            )
+            base = tl.where(from_prefix, prefix_row, suffix_row)
+            row_index = base[:, None] + rows[None, :]
+            mask = item_ok[:, None] & row_ok[None, :]
+            part_lse = tl.load(part_lse_ptr + row_index, mask=mask, other=float("-inf"))
+            part = tl.load(
+                part_out_ptr + row_index[:, :, None] * head_dim + dims[None, None, :],
+                mask=mask[:, :, None] & dim_ok[None, None, :],
+                other=0.0,
+            )
+            new_max = tl.maximum(run_max, tl.max(part_lse, 0))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            old_scale = tl.exp(run_max - shift)
+            part_scale = tl.exp(part_lse - shift[None, :])
+            run_sum = run_sum * old_scale + tl.sum(part_scale, 0)
+            # A partial with lse = -inf saw no key; its (unwritten) output must not reach the sum, even as 0 * NaN.
+            weighted = tl.where(part_scale[:, :, None] > 0.0, part * part_scale[:, :, None], 0.0)
+            acc = acc * old_scale[:, None] + tl.sum(weighted, 0)
+            run_max = new_max
+
+        has_keys = run_sum > 0.0
+        safe_sum = tl.where(has_keys, run_sum, 1.0)
+        out = acc / safe_sum[:, None]
+        lse = tl.where(has_keys, run_max + tl.log(safe_sum), float("-inf"))
+        token = (query_begin + query_offset).to(tl.int64)
+        out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
+        tl.store(
+            out_ptr + out_offsets + dims[None, :].to(tl.int64) * stride_out_dim,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
         )
-
-    has_keys = run_sum > 0.0
-    safe_sum = tl.where(has_keys, run_sum, 1.0)
-    out = acc / safe_sum[:, None]
-    lse = tl.where(has_keys, run_max + tl.log(safe_sum), float("-inf"))
-    token = (query_begin + query_offset).to(tl.int64)
-    out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
-    tl.store(
-        out_ptr + out_offsets + dims[None, :].to(tl.int64) * stride_out_dim,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
-    tl.store(lse_ptr + token * stride_lse_token + head.to(tl.int64) * stride_lse_head, lse, mask=row_ok)
+        tl.store(lse_ptr + token * stride_lse_token + head.to(tl.int64) * stride_lse_head, lse, mask=row_ok)

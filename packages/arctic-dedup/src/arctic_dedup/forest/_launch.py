@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from arctic_dedup._triton_support import interpreting
 from arctic_dedup.errors import PlanError
-from arctic_dedup.forest.plan import ForestPlan
 
-__all__ = ["check_decode_inputs", "launch_forest_decode"]
+if TYPE_CHECKING:
+    from arctic_dedup.forest.plan import ForestGrouping, ForestKernelConfig, ForestPlan, ForestWorkspace, _Sizes
+
+__all__ = ["check_decode_inputs", "launch_forest_decode", "launch_plan"]
+
+# Partials of one combine chunk held in registers at once (floats): 64 per thread with 4 warps.
+COMBINE_CHUNK_FLOATS = 8192
 
 
 def _next_power_of_two(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
+
+
+def _previous_power_of_two(value: int) -> int:
+    return 1 << max(0, value.bit_length() - 1)
 
 
 def check_decode_inputs(
@@ -63,6 +73,127 @@ def check_decode_inputs(
         raise PlanError(f"lse must be float32 [T, H_q] = {tuple(query.shape[:2])}, got {lse.dtype} {tuple(lse.shape)}.")
 
 
+def launch_plan(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    views: dict[str, torch.Tensor],
+    sizes: _Sizes,
+    block_size: int,
+    grouping: ForestGrouping | None,
+    workspace: ForestWorkspace | None,
+    config: ForestKernelConfig,
+) -> None:
+    """Fill a plan's buffers on the device: three launches with grouping, one without; no host reads."""
+    from arctic_dedup.forest._kernels import (
+        plan_count_kernel,
+        plan_cut_kernel,
+        plan_group_kernel,
+        plan_paged_kernel,
+    )
+
+    num_requests = sizes.num_requests
+    block_requests = _next_power_of_two(max(2, num_requests))
+    finish_warps = 4 if block_requests <= 1024 else 8
+    if grouping is None or workspace is None:
+        plan_paged_kernel[(1,)](
+            seq_lens,
+            views["prefix_blocks"],
+            views["group_leader"],
+            views["tile_of"],
+            views["slot_in_tile"],
+            views["work_start"],
+            views["split_tokens"],
+            views["num_groups"],
+            num_requests,
+            block_size,
+            sizes.suffix_target_items,
+            config.split_granularity,
+            BLOCK_R=block_requests,
+            num_warps=finish_warps,
+        )
+        return
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    max_blocks = block_table.shape[1]
+    block_entries = min(1024, _next_power_of_two(max(16, max_blocks)))
+    scratch = torch.empty(7 * num_requests, dtype=torch.int32, device=block_table.device)
+    cut_key, leader_of, rank_of, group_min, group_count, first_tile, first_member = scratch.view(7, num_requests)
+    grid = (num_requests,)
+    plan_count_kernel[grid](
+        block_table,
+        seq_lens,
+        query_start_loc,
+        workspace.counts,
+        group_min,
+        group_count,
+        block_table.stride(0),
+        max_blocks,
+        workspace.num_cache_blocks,
+        block_size,
+        BLOCK_E=block_entries,
+    )
+    plan_cut_kernel[grid](
+        block_table,
+        seq_lens,
+        query_start_loc,
+        workspace.counts,
+        workspace.leader_slots,
+        cut_key,
+        block_table.stride(0),
+        max_blocks,
+        workspace.num_cache_blocks,
+        block_size,
+        num_requests,
+        grouping.min_group_size,
+        grouping.min_prefix_blocks,
+        BLOCK_E=block_entries,
+    )
+    plan_group_kernel[grid](
+        block_table,
+        seq_lens,
+        query_start_loc,
+        workspace.counts,
+        workspace.leader_slots,
+        workspace.ticket,
+        cut_key,
+        leader_of,
+        rank_of,
+        group_min,
+        group_count,
+        first_tile,
+        first_member,
+        views["prefix_blocks"],
+        views["group_leader"],
+        views["tile_of"],
+        views["slot_in_tile"],
+        views["tile_leader"],
+        views["tile_prefix_blocks"],
+        views["tile_member_start"],
+        views["tile_member_count"],
+        views["member_list"],
+        views["work_start"],
+        views["split_tokens"],
+        views["num_groups"],
+        block_table.stride(0),
+        max_blocks,
+        workspace.num_cache_blocks,
+        block_size,
+        num_requests,
+        grouping.min_group_size,
+        grouping.min_prefix_blocks,
+        math.ceil(grouping.min_grouped_fraction * num_requests),
+        -1 if grouping.max_groups is None else grouping.max_groups,
+        sizes.prefix_target_items,
+        sizes.suffix_target_items,
+        config.split_granularity,
+        MEMBERS=sizes.members_per_tile,
+        BLOCK_R=block_requests,
+        BLOCK_E=block_entries,
+        num_warps=finish_warps,
+    )
+
+
 def launch_forest_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -72,7 +203,7 @@ def launch_forest_decode(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    from arctic_dedup.forest._kernels import combine_kernel, prefix_attention_kernel, suffix_attention_kernel
+    from arctic_dedup.forest._kernels import forest_attention_kernel, forest_combine_kernel
 
     config = plan.config
     num_requests = plan.num_requests
@@ -83,25 +214,29 @@ def launch_forest_decode(
     head_block = max(16, _next_power_of_two(head_dim))
     rows_per_request = query_max * group_size
     suffix_block_m = max(16, _next_power_of_two(rows_per_request))
+    rows = max(2, _next_power_of_two(rows_per_request))
     upcast = interpreting() or query.dtype == torch.float32
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     scale_log2 = float(scale) * 1.4426950408889634
     # 256-wide heads: 4 warps spill the prefix accumulator and 128-token tiles overflow shared memory (ptxas report).
     wide = head_block >= 256
-    prefix_warps = max(config.prefix_num_warps, 8) if wide else config.prefix_num_warps
+    num_warps = max(config.num_warps, 8) if wide else config.num_warps
     prefix_block_n = min(config.prefix_block_n, 64) if wide else config.prefix_block_n
     suffix_block_n = min(config.suffix_block_n, 64) if wide else config.suffix_block_n
-    device = query.device
+    num_stages = min(config.num_stages, 2) if wide else config.num_stages
     table = plan.block_table
+    if table.stride(1) != 1:
+        table = table.contiguous()
     k_strides = key_cache.stride()
     v_strides = value_cache.stride()
     q_strides = query.stride()
 
-    suffix_out = torch.empty(
-        plan.max_suffix_work * num_kv_heads * suffix_block_m * head_dim, dtype=torch.float32, device=device
-    )
-    suffix_lse = torch.empty(plan.max_suffix_work * num_kv_heads * suffix_block_m, dtype=torch.float32, device=device)
-    suffix_attention_kernel[(plan.max_suffix_work, num_kv_heads)](
+    prefix_rows = plan.max_prefix_work * num_kv_heads * plan.prefix_block_m
+    suffix_rows = plan.max_suffix_work * num_kv_heads * rows
+    part_out = torch.empty((prefix_rows + suffix_rows) * head_dim, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(prefix_rows + suffix_rows, dtype=torch.float32, device=query.device)
+    owners_block = _next_power_of_two(max(2, 2 * num_requests))
+    forest_attention_kernel[((plan.max_prefix_work + plan.max_suffix_work) * num_kv_heads,)](
         query,
         key_cache,
         value_cache,
@@ -109,10 +244,20 @@ def launch_forest_decode(
         plan.query_start_loc,
         plan.seq_lens,
         plan.prefix_blocks,
-        plan.suffix_work_start,
-        plan.suffix_split_tokens,
-        suffix_out,
-        suffix_lse,
+        plan.tile_of,
+        plan.tile_leader,
+        plan.tile_prefix_blocks,
+        plan.tile_member_start,
+        plan.tile_member_count,
+        plan.member_list,
+        plan.work_start,
+        plan.split_tokens,
+        out,
+        lse,
+        part_out,
+        part_lse,
+        part_out[prefix_rows * head_dim :],
+        part_lse[prefix_rows:],
         scale_log2,
         q_strides[0],
         q_strides[1],
@@ -126,102 +271,55 @@ def launch_forest_decode(
         v_strides[2],
         v_strides[3],
         table.stride(0),
-        head_dim,
-        num_kv_heads,
-        NUM_REQUESTS=num_requests,
-        SEARCH_STEPS=max(1, math.ceil(math.log2(num_requests + 1))) + 1,
-        G=group_size,
-        QMAX=query_max,
-        PAGE=plan.block_size,
-        BLOCK_M=suffix_block_m,
-        BLOCK_N=suffix_block_n,
-        HEAD_DIM=head_block,
-        UPCAST=upcast,
-        DOT_PRECISION=precision,
-        num_warps=config.suffix_num_warps,
-        num_stages=config.suffix_num_stages,
-    )
-
-    if plan.shares:
-        prefix_block_m = plan.prefix_block_m
-        prefix_out = torch.empty(
-            plan.max_prefix_work * num_kv_heads * prefix_block_m * head_dim, dtype=torch.float32, device=device
-        )
-        prefix_lse = torch.empty(
-            plan.max_prefix_work * num_kv_heads * prefix_block_m, dtype=torch.float32, device=device
-        )
-        prefix_attention_kernel[(plan.max_prefix_work, num_kv_heads)](
-            query,
-            key_cache,
-            value_cache,
-            table,
-            plan.query_start_loc,
-            plan.tile_leader,
-            plan.tile_members,
-            plan.tile_prefix_blocks,
-            plan.prefix_work_start,
-            plan.prefix_split_tokens,
-            prefix_out,
-            prefix_lse,
-            scale_log2,
-            q_strides[0],
-            q_strides[1],
-            q_strides[2],
-            k_strides[0],
-            k_strides[1],
-            k_strides[2],
-            k_strides[3],
-            v_strides[0],
-            v_strides[1],
-            v_strides[2],
-            v_strides[3],
-            table.stride(0),
-            head_dim,
-            num_kv_heads,
-            NUM_TILES=num_requests,
-            SEARCH_STEPS=max(1, math.ceil(math.log2(num_requests + 1))) + 1,
-            MEMBERS=plan.members_per_tile,
-            G=group_size,
-            QMAX=query_max,
-            PAGE=plan.block_size,
-            BLOCK_M=prefix_block_m,
-            BLOCK_N=prefix_block_n,
-            HEAD_DIM=head_block,
-            UPCAST=upcast,
-            DOT_PRECISION=precision,
-            num_warps=prefix_warps,
-            num_stages=config.prefix_num_stages,
-        )
-    else:
-        prefix_block_m = 16
-        prefix_out = suffix_out
-        prefix_lse = suffix_lse
-
-    combine_kernel[(num_requests, num_kv_heads)](
-        out,
-        lse,
-        plan.query_start_loc,
-        plan.tile_of,
-        plan.slot_in_tile,
-        plan.prefix_work_start,
-        prefix_out,
-        prefix_lse,
-        plan.suffix_work_start,
-        suffix_out,
-        suffix_lse,
         out.stride(0),
         out.stride(1),
         out.stride(2),
         lse.stride(0),
         lse.stride(1),
+        num_requests,
+        head_dim,
+        num_kv_heads,
+        HAS_PREFIX=plan.shares,
+        OWNERS_BLOCK=owners_block,
+        G=group_size,
+        QMAX=query_max,
+        PAGE=plan.block_size,
+        PREFIX_BLOCK_M=plan.prefix_block_m,
+        SUFFIX_BLOCK_M=suffix_block_m,
+        ROWS=rows,
+        PREFIX_BLOCK_N=prefix_block_n,
+        SUFFIX_BLOCK_N=suffix_block_n,
+        HEAD_DIM=head_block,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    chunk = max(1, min(16, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (rows * head_block))))
+    forest_combine_kernel[(num_requests * num_kv_heads,)](
+        out,
+        lse,
+        plan.query_start_loc,
+        plan.tile_of,
+        plan.slot_in_tile,
+        plan.work_start,
+        part_out,
+        part_lse,
+        prefix_rows,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        num_requests,
         head_dim,
         num_kv_heads,
         HAS_PREFIX=plan.shares,
         G=group_size,
         QMAX=query_max,
-        PREFIX_BLOCK_M=prefix_block_m,
-        SUFFIX_BLOCK_M=suffix_block_m,
-        BLOCK_R=max(16, _next_power_of_two(rows_per_request)),
+        PREFIX_BLOCK_M=plan.prefix_block_m,
+        ROWS=rows,
+        CHUNK=chunk,
         HEAD_DIM=head_block,
-        num_warps=4 if head_block * rows_per_request <= 4096 else 8,
+        num_warps=4,
     )

@@ -9,8 +9,9 @@ shared by all and prompts shared by their samples, cuts at the prompts). Each gr
 the number of leading full blocks that every member holds identically and that lie entirely before every member's new
 query tokens, so a table that breaks the prefix-cache invariants can only make groups smaller, never wrong.
 
-Everything is fixed-shape torch on the tables' device: no ``.item()``, no dynamic shapes, so the builder runs inside
-a CUDA graph and never stalls the host.
+On CUDA the builder is three Triton launches over the block tables (a block histogram, the cuts, the groups and
+work lists) with a reusable ``ForestWorkspace``: no ``.item()``, no sorts, no dynamic shapes, so it runs inside a CUDA
+graph and never stalls the host. On CPU builds the same plan is built with plain torch.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arctic_dedup._triton_support import Backend, resolve_backend
 from arctic_dedup.errors import PlanError
 
-__all__ = ["ForestGrouping", "ForestKernelConfig", "ForestPlan", "plan_forest", "plan_paged"]
+__all__ = ["ForestGrouping", "ForestKernelConfig", "ForestPlan", "ForestWorkspace", "plan_forest", "plan_paged"]
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,11 @@ class ForestKernelConfig:
 
     Attributes:
         prefix_block_m: rows of one prefix tile (GQA heads x query tokens x requests); a power of two >= 16.
-        prefix_block_n: KV tokens per inner step of the prefix pass.
-        suffix_block_n: KV tokens per inner step of the suffix (per-request) pass.
-        prefix_num_warps, prefix_num_stages, suffix_num_warps, suffix_num_stages: Triton launch options.
-        waves: work items are sized so that about ``waves * multiprocessors`` programs run per pass.
+        prefix_block_n: KV tokens per inner step of a prefix (group) work item.
+        suffix_block_n: KV tokens per inner step of a suffix (per-request) work item.
+        num_warps, num_stages: Triton launch options of the attention kernel (prefix and suffix items share them).
+        prefix_waves: prefix items are sized so that about ``prefix_waves * multiprocessors`` programs read prefixes.
+        waves: suffix items are sized so that about ``waves * multiprocessors`` programs read suffixes.
         split_granularity: split lengths are rounded up to a multiple of this many tokens.
         multiprocessors: the device's multiprocessor count; ``None`` reads it from the device (8 on CPU).
     """
@@ -70,11 +73,10 @@ class ForestKernelConfig:
     prefix_block_m: int = 64
     prefix_block_n: int = 64
     suffix_block_n: int = 64
-    prefix_num_warps: int = 4
-    prefix_num_stages: int = 2
-    suffix_num_warps: int = 4
-    suffix_num_stages: int = 2
-    waves: float = 4.0
+    num_warps: int = 4
+    num_stages: int = 3
+    prefix_waves: float = 1.0
+    waves: float = 2.0
     split_granularity: int = 128
     multiprocessors: int | None = None
 
@@ -85,8 +87,30 @@ class ForestKernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.split_granularity < 1:
             raise ValueError(f"split_granularity must be >= 1, got {self.split_granularity}")
-        if self.waves <= 0:
-            raise ValueError(f"waves must be > 0, got {self.waves}")
+        if self.waves <= 0 or self.prefix_waves <= 0:
+            raise ValueError(f"waves and prefix_waves must be > 0, got {self.waves} and {self.prefix_waves}")
+
+
+class ForestWorkspace:
+    """Device scratch of the group finder, zero between plans: keep one per KV cache and reuse it every step.
+
+    Holds a block histogram and a leader slot per cache block (``2 * (num_cache_blocks + 1)`` int32) and a ticket
+    counter. Each plan leaves it zero again, so steady-state planning needs no memset; plans that share a workspace
+    must run in stream order (one planner, one stream).
+    """
+
+    def __init__(self, num_cache_blocks: int, device: torch.device | str) -> None:
+        if num_cache_blocks < 1:
+            raise ValueError(f"num_cache_blocks must be >= 1, got {num_cache_blocks}")
+        self.num_cache_blocks = num_cache_blocks
+        buffer = torch.zeros(2 * num_cache_blocks + 1, dtype=torch.int32, device=device)
+        self.counts = buffer[:num_cache_blocks]
+        self.leader_slots = buffer[num_cache_blocks : 2 * num_cache_blocks]
+        self.ticket = buffer[2 * num_cache_blocks :]
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
 
 
 @dataclass(frozen=True)
@@ -96,10 +120,12 @@ class ForestPlan:
     Per request ``[N]`` (int32): ``prefix_blocks`` (shared full blocks read by the group pass, 0 when ungrouped),
     ``group_leader`` (the request whose block table row holds the group's prefix; itself when ungrouped),
     ``tile_of`` (prefix tile, -1 when ungrouped), ``slot_in_tile``.
-    Per tile slot ``[N]``: ``tile_leader``, ``tile_prefix_blocks``, ``tile_members [N, members_per_tile]`` (-1 pads).
-    Work lists: ``prefix_work_start [N + 1]`` / ``suffix_work_start [N + 1]`` are the first work item of each tile /
-    request (splits of ``prefix_split_tokens [1]`` / ``suffix_split_tokens [1]`` tokens).
-    Stats ``[1]`` (int64): ``num_groups``, ``num_grouped_requests``, ``saved_block_reads`` (per kv head and layer).
+    Per tile ``[N]`` (the first ``num_tiles`` entries are set): ``tile_leader``, ``tile_prefix_blocks``,
+    ``tile_member_start`` / ``tile_member_count`` (a range of ``member_list [N]``, the grouped requests in tile order).
+    Work list: ``work_start [2N + 1]``, the first work item of each owner; owners ``0..N-1`` are tiles (prefix items
+    of ``split_tokens[0]`` tokens), owners ``N..2N-1`` are requests (suffix items of ``split_tokens[1]`` tokens); a
+    remainder under an eighth of a split joins the owner's last item.
+    Stats (int32 ``[1]`` views): ``num_groups``, ``num_grouped_requests``, ``saved_block_reads`` (per kv head, layer).
     """
 
     block_table: torch.Tensor
@@ -111,11 +137,11 @@ class ForestPlan:
     slot_in_tile: torch.Tensor
     tile_leader: torch.Tensor
     tile_prefix_blocks: torch.Tensor
-    tile_members: torch.Tensor
-    prefix_work_start: torch.Tensor
-    prefix_split_tokens: torch.Tensor
-    suffix_work_start: torch.Tensor
-    suffix_split_tokens: torch.Tensor
+    tile_member_start: torch.Tensor
+    tile_member_count: torch.Tensor
+    member_list: torch.Tensor
+    work_start: torch.Tensor
+    split_tokens: torch.Tensor
     num_groups: torch.Tensor
     num_grouped_requests: torch.Tensor
     saved_block_reads: torch.Tensor
@@ -135,6 +161,19 @@ class ForestPlan:
         return int(self.seq_lens.shape[0])
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """Host-side sizes of a plan: everything the launches need that does not depend on the tables' contents."""
+
+    num_requests: int
+    members_per_tile: int
+    prefix_block_m: int
+    prefix_target_items: int
+    suffix_target_items: int
+    max_prefix_work: int
+    max_suffix_work: int
+
+
 def _next_power_of_two(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
@@ -147,19 +186,32 @@ def _multiprocessors(device: torch.device, config: ForestKernelConfig) -> int:
     return 8
 
 
-def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(values, 0) - values
-
-
-def _work_list(lengths: torch.Tensor, target_items: int, granularity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split lengths ``[K]`` into items of one shared split length; returns (work_start ``[K + 1]``, split ``[1]``)."""
-    total = lengths.sum().clamp_min(1)
-    split = torch.div(total + target_items - 1, target_items, rounding_mode="floor")
-    split = torch.div(split + granularity - 1, granularity, rounding_mode="floor") * granularity
-    items = torch.div(lengths + split - 1, split, rounding_mode="floor")
-    work_start = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
-    work_start[1:] = torch.cumsum(items, 0)
-    return work_start.to(torch.int32), split.reshape(1).to(torch.int32)
+def _sizes(
+    num_requests: int,
+    device: torch.device,
+    max_query_len: int,
+    queries_per_kv: int,
+    num_kv_heads: int,
+    config: ForestKernelConfig,
+    grouped: bool,
+) -> _Sizes:
+    rows_per_member = max_query_len * queries_per_kv
+    prefix_block_m = max(config.prefix_block_m, _next_power_of_two(max(16, rows_per_member)))
+    members_per_tile = max(1, prefix_block_m // rows_per_member)
+    multiprocessors = _multiprocessors(device, config)
+    prefix_target = max(1, math.ceil(config.prefix_waves * multiprocessors / num_kv_heads))
+    suffix_target = max(1, math.ceil(config.waves * multiprocessors / num_kv_heads))
+    # Each owner rounds its item count up once; with groups of >= 2 and >= 2 members per tile, tiles <= 3N/4.
+    max_tiles = num_requests if members_per_tile == 1 else (3 * num_requests) // 4
+    return _Sizes(
+        num_requests=num_requests,
+        members_per_tile=members_per_tile,
+        prefix_block_m=prefix_block_m,
+        prefix_target_items=prefix_target,
+        suffix_target_items=suffix_target,
+        max_prefix_work=prefix_target + max_tiles if grouped else 0,
+        max_suffix_work=suffix_target + num_requests,
+    )
 
 
 def _check_inputs(
@@ -246,6 +298,100 @@ def _find_groups(
     return leader, prefix, grouped
 
 
+def _plan_buffers(num_requests: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every per-step output of the planner as views of one int32 allocation (no kernel launch)."""
+    names = (
+        "prefix_blocks",
+        "group_leader",
+        "tile_of",
+        "slot_in_tile",
+        "tile_leader",
+        "tile_prefix_blocks",
+        "tile_member_start",
+        "tile_member_count",
+        "member_list",
+    )
+    per_request = len(names) * num_requests
+    buffer = torch.empty(per_request + 2 * num_requests + 1 + 2 + 3, dtype=torch.int32, device=device)
+    views = {name: buffer[i * num_requests : (i + 1) * num_requests] for i, name in enumerate(names)}
+    views["work_start"] = buffer[per_request : per_request + 2 * num_requests + 1]
+    tail = per_request + 2 * num_requests + 1
+    views["split_tokens"] = buffer[tail : tail + 2]
+    views["num_groups"] = buffer[tail + 2 : tail + 3]
+    views["num_grouped_requests"] = buffer[tail + 3 : tail + 4]
+    views["saved_block_reads"] = buffer[tail + 4 : tail + 5]
+    return views
+
+
+def _split_tokens(total: torch.Tensor, target_items: int, granularity: int) -> torch.Tensor:
+    split = torch.div(total.clamp_min(1) + target_items - 1, target_items, rounding_mode="floor")
+    return torch.div(split + granularity - 1, granularity, rounding_mode="floor") * granularity
+
+
+def _item_count(lengths: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
+    items = torch.div(lengths - torch.div(split, 8, rounding_mode="floor") + split - 1, split, rounding_mode="floor")
+    return torch.where(lengths > 0, items.clamp_min(1), 0)
+
+
+def _fill_torch(
+    views: dict[str, torch.Tensor],
+    seq: torch.Tensor,
+    leader: torch.Tensor,
+    prefix: torch.Tensor,
+    grouped: torch.Tensor,
+    sizes: _Sizes,
+    block_size: int,
+    granularity: int,
+) -> None:
+    """The finishing step of the planner in plain torch (the CPU path; mirrors ``_finish_plan`` in the kernels)."""
+    num_requests = sizes.num_requests
+    members = sizes.members_per_tile
+    device = seq.device
+    requests = torch.arange(num_requests, device=device)
+    is_leader = grouped & (leader == requests)
+    size = torch.zeros(num_requests, dtype=torch.int64, device=device)
+    size.scatter_add_(0, leader, grouped.to(torch.int64))
+    size = size[leader]
+    order = torch.argsort(torch.where(grouped, leader, num_requests) * num_requests + requests)
+    position = torch.empty_like(order)
+    position[order] = requests
+    group_tiles = torch.where(is_leader, torch.div(size + members - 1, members, rounding_mode="floor"), 0)
+    group_members = torch.where(is_leader, size, 0)
+    first_tile = torch.cumsum(group_tiles, 0) - group_tiles
+    first_member = torch.cumsum(group_members, 0) - group_members
+    rank = position - first_member[leader]
+    tile = torch.where(grouped, first_tile[leader] + torch.div(rank, members, rounding_mode="floor"), -1)
+    slot = torch.where(grouped, rank % members, 0)
+    for name in ("tile_leader", "tile_prefix_blocks", "tile_member_start", "tile_member_count", "member_list"):
+        views[name].zero_()
+    member_at = first_member[leader] + rank
+    views["member_list"][member_at[grouped]] = requests[grouped].to(torch.int32)
+    opens = grouped & (slot == 0)
+    views["tile_leader"][tile[opens]] = leader[opens].to(torch.int32)
+    views["tile_prefix_blocks"][tile[opens]] = prefix[opens].to(torch.int32)
+    views["tile_member_start"][tile[opens]] = member_at[opens].to(torch.int32)
+    views["tile_member_count"][tile[opens]] = torch.clamp(size - rank, max=members)[opens].to(torch.int32)
+
+    prefix_tokens = views["tile_prefix_blocks"].to(torch.int64) * block_size
+    suffix_tokens = (seq - prefix * block_size).clamp_min(0)
+    prefix_split = _split_tokens(prefix_tokens.sum(), sizes.prefix_target_items, granularity)
+    suffix_split = _split_tokens(suffix_tokens.sum(), sizes.suffix_target_items, granularity)
+    prefix_items = _item_count(prefix_tokens, prefix_split)
+    suffix_items = _item_count(suffix_tokens, suffix_split)
+    views["work_start"][0] = 0
+    views["work_start"][1 : num_requests + 1] = torch.cumsum(prefix_items, 0).to(torch.int32)
+    views["work_start"][num_requests + 1 :] = (prefix_items.sum() + torch.cumsum(suffix_items, 0)).to(torch.int32)
+    views["split_tokens"].copy_(torch.stack([prefix_split, suffix_split]).to(torch.int32))
+    views["prefix_blocks"].copy_(prefix.to(torch.int32))
+    views["group_leader"].copy_(leader.to(torch.int32))
+    views["tile_of"].copy_(tile.to(torch.int32))
+    views["slot_in_tile"].copy_(slot.to(torch.int32))
+    views["num_groups"].copy_(is_leader.sum().reshape(1).to(torch.int32))
+    views["num_grouped_requests"].copy_(grouped.sum().reshape(1).to(torch.int32))
+    saved = prefix.sum() - torch.where(is_leader, prefix, 0).sum()
+    views["saved_block_reads"].copy_(saved.reshape(1).to(torch.int32))
+
+
 def _build(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -258,93 +404,59 @@ def _build(
     num_kv_heads: int,
     grouping: ForestGrouping | None,
     config: ForestKernelConfig,
+    workspace: ForestWorkspace | None,
+    backend: Backend,
 ) -> ForestPlan:
     _check_inputs(block_table, seq_lens, query_start_loc, block_size, max_query_len, queries_per_kv, num_kv_heads)
     device = block_table.device
-    num_requests, max_blocks = block_table.shape
-    requests = torch.arange(num_requests, device=device)
-    seq = seq_lens.to(torch.int64)
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+    num_requests = block_table.shape[0]
+    sizes = _sizes(num_requests, device, max_query_len, queries_per_kv, num_kv_heads, config, grouping is not None)
+    views = _plan_buffers(num_requests, device)
+    seq = seq_lens.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    if resolve_backend(backend, block_table) == "triton":
+        from arctic_dedup.forest._launch import launch_plan
 
-    rows_per_member = max_query_len * queries_per_kv
-    prefix_block_m = max(config.prefix_block_m, _next_power_of_two(max(16, rows_per_member)))
-    members_per_tile = max(1, prefix_block_m // rows_per_member)
-    programs = max(1, int(config.waves * _multiprocessors(device, config)))
-    target_items = max(1, math.ceil(programs / num_kv_heads))
-
-    if grouping is not None:
-        # Only blocks that lie entirely before the new query tokens can be a prefix every query sees in full.
-        eligible = torch.div((seq - query_lens).clamp_min(0), block_size, rounding_mode="floor").clamp_max(max_blocks)
-        leader, prefix, grouped = _find_groups(block_table, eligible, num_cache_blocks, grouping)
+        if grouping is not None:
+            if workspace is None:
+                workspace = ForestWorkspace(num_cache_blocks, device)
+            elif workspace.num_cache_blocks < num_cache_blocks or workspace.device != device:
+                raise PlanError(
+                    f"the workspace was made for {workspace.num_cache_blocks} cache blocks on {workspace.device}, "
+                    f"but this plan has {num_cache_blocks} blocks on {device}; make a ForestWorkspace for this cache."
+                )
+        launch_plan(block_table, seq, starts, views, sizes, block_size, grouping, workspace, config)
     else:
-        leader = requests.clone()
-        prefix = torch.zeros(num_requests, dtype=torch.int64, device=device)
-        grouped = torch.zeros(num_requests, dtype=torch.bool, device=device)
-
-    is_leader = grouped & (leader == requests)
-    group_size = torch.zeros(num_requests, dtype=torch.int64, device=device)
-    group_size.scatter_add_(0, leader, grouped.to(torch.int64))
-    group_size = torch.where(is_leader, group_size, 0)
-    tiles_per_group = torch.div(group_size + members_per_tile - 1, members_per_tile, rounding_mode="floor")
-    first_tile = _exclusive_cumsum(tiles_per_group)
-    first_member = _exclusive_cumsum(group_size)
-    order = torch.argsort(torch.where(grouped, leader, num_requests) * num_requests + requests)
-    position = torch.empty_like(order)
-    position[order] = requests
-    rank = position - first_member[leader]
-    tile_of = torch.where(grouped, first_tile[leader] + torch.div(rank, members_per_tile, rounding_mode="floor"), -1)
-    slot = torch.where(grouped, rank % members_per_tile, 0)
-
-    spare_tile = num_requests
-    tile_index = torch.where(grouped, tile_of, spare_tile)
-    tile_members = torch.full(((num_requests + 1) * members_per_tile,), -1, dtype=torch.int64, device=device)
-    tile_members.scatter_(0, tile_index * members_per_tile + slot, requests)
-    tile_members = tile_members[: num_requests * members_per_tile].view(num_requests, members_per_tile)
-    tile_leader = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
-    tile_leader.scatter_(0, tile_index, leader)
-    tile_prefix = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
-    tile_prefix.scatter_(0, tile_index, prefix)
-    tile_leader, tile_prefix = tile_leader[:num_requests], tile_prefix[:num_requests]
-
-    prefix_work_start, prefix_split = _work_list(tile_prefix * block_size, target_items, config.split_granularity)
-    suffix_lengths = (seq - prefix * block_size).clamp_min(0)
-    suffix_work_start, suffix_split = _work_list(suffix_lengths, target_items, config.split_granularity)
-
-    num_groups = is_leader.sum().reshape(1)
-    num_grouped = grouped.sum().reshape(1)
-    saved = (prefix.sum() - torch.where(is_leader, prefix, 0).sum()).reshape(1)
-
-    def as_int32(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(torch.int32).contiguous()
-
+        requests = torch.arange(num_requests, device=device)
+        if grouping is not None:
+            # Only blocks that lie entirely before the new query tokens can be a prefix every query sees in full.
+            seq64 = seq.to(torch.int64)
+            query_lens = (starts[1:] - starts[:-1]).to(torch.int64)
+            max_blocks = block_table.shape[1]
+            eligible = torch.div((seq64 - query_lens).clamp_min(0), block_size, rounding_mode="floor")
+            leader, prefix, grouped = _find_groups(
+                block_table, eligible.clamp_max(max_blocks), num_cache_blocks, grouping
+            )
+        else:
+            leader = requests.clone()
+            prefix = torch.zeros(num_requests, dtype=torch.int64, device=device)
+            grouped = torch.zeros(num_requests, dtype=torch.bool, device=device)
+        _fill_torch(views, seq.to(torch.int64), leader, prefix, grouped, sizes, block_size, config.split_granularity)
     return ForestPlan(
         block_table=block_table,
-        seq_lens=as_int32(seq),
-        query_start_loc=as_int32(query_start_loc),
-        prefix_blocks=as_int32(prefix),
-        group_leader=as_int32(leader),
-        tile_of=as_int32(tile_of),
-        slot_in_tile=as_int32(slot),
-        tile_leader=as_int32(tile_leader),
-        tile_prefix_blocks=as_int32(tile_prefix),
-        tile_members=as_int32(tile_members),
-        prefix_work_start=prefix_work_start,
-        prefix_split_tokens=prefix_split,
-        suffix_work_start=suffix_work_start,
-        suffix_split_tokens=suffix_split,
-        num_groups=num_groups,
-        num_grouped_requests=num_grouped,
-        saved_block_reads=saved,
+        seq_lens=seq,
+        query_start_loc=starts,
         block_size=block_size,
         max_query_len=max_query_len,
         queries_per_kv=queries_per_kv,
         num_kv_heads=num_kv_heads,
-        members_per_tile=members_per_tile,
-        prefix_block_m=prefix_block_m,
-        max_prefix_work=target_items + num_requests,
-        max_suffix_work=target_items + num_requests,
+        members_per_tile=sizes.members_per_tile,
+        prefix_block_m=sizes.prefix_block_m,
+        max_prefix_work=sizes.max_prefix_work,
+        max_suffix_work=sizes.max_suffix_work,
         shares=grouping is not None,
         config=config,
+        **views,
     )
 
 
@@ -360,20 +472,28 @@ def plan_forest(
     num_kv_heads: int,
     grouping: ForestGrouping | None = None,
     config: ForestKernelConfig | None = None,
+    workspace: ForestWorkspace | None = None,
+    backend: Backend = "auto",
 ) -> ForestPlan:
     """Find the groups of a decode batch and build the work lists of ``forest_decode``.
+
+    The plan depends only on the block table and lengths, so build it once per step and pass it to every layer.
+    On CUDA it takes three small kernel launches and never synchronizes with the host.
 
     Args:
         block_table: ``[N, max_blocks]`` int32 physical KV block ids per request (paged KV cache).
         seq_lens: ``[N]`` tokens per request in the KV cache, including this step's query tokens.
         query_start_loc: ``[N + 1]`` offsets of each request's query tokens in the packed query ``[T, H_q, D]``.
         block_size: tokens per KV block.
-        num_cache_blocks: number of blocks in the KV cache (block ids are ``< num_cache_blocks``).
+        num_cache_blocks: number of blocks in the KV cache (block ids are ``< num_cache_blocks``; ids outside
+            ``[0, num_cache_blocks)`` are never grouped).
         max_query_len: upper bound of the query tokens of any request this step (1 for plain decode).
         queries_per_kv: query heads per KV head (GQA ratio).
         num_kv_heads: KV heads per layer (sizes the work so one pass fills the device).
         grouping: which groups to use (defaults to ``ForestGrouping()``).
         config: kernel tile and split sizes (defaults to ``ForestKernelConfig()``).
+        workspace: a ``ForestWorkspace`` for this cache, reused every step (made, zeroed, per call when ``None``).
+        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (CPU builds), or ``"auto"``.
 
     Returns:
         A ``ForestPlan`` of device tensors; building it never synchronizes with the host.
@@ -389,6 +509,8 @@ def plan_forest(
         num_kv_heads=num_kv_heads,
         grouping=grouping if grouping is not None else ForestGrouping(),
         config=config if config is not None else ForestKernelConfig(),
+        workspace=workspace,
+        backend=backend,
     )
 
 
@@ -402,8 +524,9 @@ def plan_paged(
     queries_per_kv: int,
     num_kv_heads: int,
     config: ForestKernelConfig | None = None,
+    backend: Backend = "auto",
 ) -> ForestPlan:
-    """A plan with no groups: every request reads its whole context (the per-request paged decode)."""
+    """A plan with no groups: every request reads its whole context (the per-request paged decode; one launch)."""
     return _build(
         block_table,
         seq_lens,
@@ -415,4 +538,6 @@ def plan_paged(
         num_kv_heads=num_kv_heads,
         grouping=None,
         config=config if config is not None else ForestKernelConfig(),
+        workspace=None,
+        backend=backend,
     )
