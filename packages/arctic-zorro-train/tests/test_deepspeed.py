@@ -78,7 +78,9 @@ def test_zero_stages_fp32_match_the_per_sample_run(stage: int, family: str) -> N
         expected = collect_grads(model)
         model.zero_grad(set_to_none=True)
         engine = _engine(model, stage, bf16=False)
-        patch = install_zorro_for_deepspeed(engine, {"zorro_train": {"enable": True, "response_length": RESPONSE_WIDTH}})
+        patch = install_zorro_for_deepspeed(
+            engine, {"zorro_train": {"enable": True, "response_length": RESPONSE_WIDTH}}
+        )
         assert patch is not None
         output, dedup_loss = _step(engine, batch)
     assert isinstance(output, ZorroOutput)

@@ -95,7 +95,8 @@ def test_recurrent_state_passes_to_children(name: str, kernel: str) -> None:
     ]
     for tensor in inputs:
         tensor.requires_grad_(True)
-    out = tree_gated_delta_rule(*inputs, schedule, rule)
+    query, key, value, g, beta = inputs
+    out = tree_gated_delta_rule(query, key, value, g, beta, schedule, rule)
     upstream = torch.randn(out.shape, generator=generator)
     grads = torch.autograd.grad((out * upstream).sum(), inputs)
     expected_loss = torch.zeros(())
@@ -113,7 +114,9 @@ def test_recurrent_state_passes_to_children(name: str, kernel: str) -> None:
         assert float((actual - expected).norm()) <= TOLERANCE * scale
 
 
-def _shifted_reference_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor], shift: int) -> dict[str, torch.Tensor]:
+def _shifted_reference_grads(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], shift: int
+) -> dict[str, torch.Tensor]:
     """transformers' own gradients with every sample moved ``shift`` tokens right (left padding, masked)."""
     shifted = dict(batch)
     pad = torch.zeros(batch["input_ids"].shape[0], shift, dtype=torch.long)

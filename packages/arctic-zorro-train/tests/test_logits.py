@@ -10,7 +10,9 @@ from torch import nn
 from arctic_zorro_train import token_logprobs
 
 
-def _head_and_inputs(vocab: int = 50, hidden: int = 16, tokens: int = 23) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+def _head_and_inputs(
+    vocab: int = 50, hidden: int = 16, tokens: int = 23
+) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     head = nn.Linear(hidden, vocab, bias=True)
     states = torch.randn(tokens, hidden, requires_grad=True)

@@ -6,7 +6,6 @@ Entry points: ``apply_zorro(model)`` (generic), the seed API (``Qwen3ModelOncePa
 """
 
 from arctic_dedup.testing import create_dummy_batch
-
 from arctic_zorro_train.actor import DeduplicatedActor, response_token_values
 from arctic_zorro_train.deepspeed_hook import ZorroTrainConfig, install_zorro_for_deepspeed
 from arctic_zorro_train.errors import MissingDependencyError, UnsupportedModelError, ZorroPatchError

@@ -6,9 +6,10 @@ import os
 from collections.abc import Mapping
 
 import torch
-from arctic_dedup.plan import PrefixSharing
 from torch import nn
 
+from arctic_dedup.attention import TreeAttentionBackend
+from arctic_dedup.plan import PrefixSharing
 from arctic_zorro_train.forward import ZorroOutput, zorro_forward
 from arctic_zorro_train.loading import load_model
 from arctic_zorro_train.logprobs import LogitsMode
@@ -55,7 +56,7 @@ class DeduplicatedActor:
         clip_ratio: float = 0.2,
         kl_coef: float = 0.0,
         sharing: PrefixSharing = "prompt",
-        attention_backend: str = "auto",
+        attention_backend: TreeAttentionBackend = "auto",
         deduplicate: bool = True,
         logits_chunk_size: int = 1024,
     ) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from arctic_dedup import gather_rows
 from torch import nn
 
+from arctic_dedup import gather_rows
 from arctic_zorro_train.context import CONTEXT_KWARG, ReconstructMaps, ZorroContext
 
 __all__ = [
@@ -56,7 +56,8 @@ class AttentionConfigView:
             setattr(self.zorro_base_config, name, value)
 
     def __repr__(self) -> str:
-        return f"AttentionConfigView({self.zorro_base_config.__class__.__name__}, fallback={self.zorro_fallback_implementation!r})"
+        base = type(self.zorro_base_config).__name__
+        return f"AttentionConfigView({base}, fallback={self.zorro_fallback_implementation!r})"
 
 
 def _fallback_attention(module: nn.Module, implementation: str) -> Callable[..., tuple[torch.Tensor, Any]]:

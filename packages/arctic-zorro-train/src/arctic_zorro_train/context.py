@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from arctic_dedup import IndexMap, Plan
 
+from arctic_dedup import IndexMap, Plan
+from arctic_dedup.attention import TreeAttentionBackend
 from arctic_zorro_train.gated_delta import GatedDeltaSchedule, build_gated_delta_schedule
 
 __all__ = ["CONTEXT_KWARG", "ReconstructMaps", "ZorroContext", "build_context", "build_reconstruct_maps"]
@@ -57,13 +58,13 @@ class ZorroContext:
     attention layer runs in reconstruct-then-attend mode)."""
 
     plan: Plan
-    attention_backend: str
+    attention_backend: TreeAttentionBackend
     gated_delta: GatedDeltaSchedule | None
     reconstruct: ReconstructMaps | None
 
 
 def build_context(
-    plan: Plan, *, attention_backend: str, conv_width: int | None, needs_reconstruct: bool
+    plan: Plan, *, attention_backend: TreeAttentionBackend, conv_width: int | None, needs_reconstruct: bool
 ) -> ZorroContext:
     return ZorroContext(
         plan=plan,

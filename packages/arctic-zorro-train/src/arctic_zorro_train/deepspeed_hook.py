@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from arctic_dedup.plan import PrefixSharing
 from torch import nn
 
+from arctic_dedup.attention import TreeAttentionBackend
+from arctic_dedup.plan import PrefixSharing
 from arctic_zorro_train.errors import MissingDependencyError
 from arctic_zorro_train.logprobs import LogitsMode
 from arctic_zorro_train.patching import ZorroPatch, apply_zorro
@@ -31,7 +32,7 @@ class ZorroTrainConfig:
 
     enable: bool = False
     use_split_attention: bool = True
-    attention_backend: str = "auto"
+    attention_backend: TreeAttentionBackend = "auto"
     logits_mode: LogitsMode = "none"
     logits_chunk_size: int = 1024
     fp32_logits: bool = False
@@ -44,9 +45,7 @@ class ZorroTrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(section) - known
         if unknown:
-            raise ValueError(
-                f"unknown zorro_train option(s) {sorted(unknown)}; known options: {sorted(known)}."
-            )
+            raise ValueError(f"unknown zorro_train option(s) {sorted(unknown)}; known options: {sorted(known)}.")
         return cls(**section)
 
     def settings(self) -> ZorroSettings:
@@ -86,9 +85,11 @@ def _register_external_parameters(patch: ZorroPatch) -> None:
             "`arctic-zorro-train[deepspeed]`."
         ) from error
     for module in patch.linear_attention_modules:
-        register_external_parameter(module, module.conv1d.weight)
+        conv: Any = module.conv1d
+        register_external_parameter(module, conv.weight)
     if patch.settings.fp32_logits:
-        register_external_parameter(patch.model, patch.lm_head.weight)
+        head: Any = patch.lm_head
+        register_external_parameter(patch.model, head.weight)
 
 
 def install_zorro_for_deepspeed(
@@ -105,9 +106,7 @@ def install_zorro_for_deepspeed(
         return None
     model = getattr(engine_or_model, "module", engine_or_model)
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"expected a DeepSpeed engine or an nn.Module, got {type(engine_or_model).__name__}."
-        )
+        raise TypeError(f"expected a DeepSpeed engine or an nn.Module, got {type(engine_or_model).__name__}.")
     patch = apply_zorro(model, settings=section.settings())
     if _is_zero3_partitioned(model):
         _register_external_parameters(patch)

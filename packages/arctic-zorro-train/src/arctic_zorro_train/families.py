@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ class GatedDeltaInputs:
     a: torch.Tensor
 
 
-def _qwen3_next_projections(module: nn.Module, hidden_states: torch.Tensor) -> GatedDeltaInputs:
+def _qwen3_next_projections(module: Any, hidden_states: torch.Tensor) -> GatedDeltaInputs:
     """Qwen3-Next packs q, k, v, z per key-head group in one projection and b, a in another."""
     query, key, value, z, b, a = module.fix_query_key_value_ordering(
         module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states)
@@ -50,7 +51,7 @@ def _qwen3_next_projections(module: nn.Module, hidden_states: torch.Tensor) -> G
     return GatedDeltaInputs(mixed_qkv=mixed_qkv, z=z[0], b=b[0], a=a[0])
 
 
-def _qwen3_5_projections(module: nn.Module, hidden_states: torch.Tensor) -> GatedDeltaInputs:
+def _qwen3_5_projections(module: Any, hidden_states: torch.Tensor) -> GatedDeltaInputs:
     """Qwen3.5 (and Qwen3.6) use four separate projections."""
     num_tokens = hidden_states.shape[1]
     z = module.in_proj_z(hidden_states).reshape(num_tokens, -1, module.head_v_dim)
@@ -67,7 +68,7 @@ class LinearAttentionTable:
     """Gated DeltaNet classes of an architecture and how to read their input projections."""
 
     class_names: tuple[str, ...]
-    projections: Callable[[nn.Module, torch.Tensor], GatedDeltaInputs]
+    projections: Callable[[Any, torch.Tensor], GatedDeltaInputs]
 
 
 @dataclass(frozen=True)

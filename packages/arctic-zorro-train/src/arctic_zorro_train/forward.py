@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from arctic_dedup import Plan
 from torch import nn
 
+from arctic_dedup import Plan
 from arctic_zorro_train.context import CONTEXT_KWARG, build_context
 from arctic_zorro_train.errors import ZorroPatchError
 from arctic_zorro_train.logprobs import LogitsMode, token_logprobs

@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from arctic_dedup import Plan
-from torch import nn
 
+from arctic_dedup import Plan
 from arctic_zorro_train.families import GatedDeltaInputs
 
 __all__ = [
@@ -227,7 +226,7 @@ def tree_gated_delta_rule(
     return torch.cat(outputs).index_select(0, schedule.level_order_inverse)
 
 
-def _torch_chunk_rule_for(module: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+def _torch_chunk_rule_for(module: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
     modeling = sys.modules[type(module).__module__]
     rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
     if rule is None:
@@ -239,10 +238,10 @@ def _torch_chunk_rule_for(module: nn.Module) -> Callable[..., tuple[torch.Tensor
 
 
 def gated_delta_tree_forward(
-    module: nn.Module,
+    module: Any,
     hidden_states: torch.Tensor,
     schedule: GatedDeltaSchedule,
-    projections: Callable[[nn.Module, torch.Tensor], GatedDeltaInputs],
+    projections: Callable[[Any, torch.Tensor], GatedDeltaInputs],
 ) -> torch.Tensor:
     """A transformers Gated DeltaNet layer's forward over the packed stream ``[1, T, hidden]`` -> ``[1, T, hidden]``."""
     from transformers.activations import ACT2FN

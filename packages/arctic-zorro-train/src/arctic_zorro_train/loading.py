@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ def load_model(
     source = os.fspath(model_name_or_path)
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     loader = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    model = loader.from_pretrained(
+    model: Any = loader.from_pretrained(
         source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
     return model.to(device)  # type: ignore[no-any-return]

@@ -36,7 +36,7 @@ class TokenLogprobs:
     logits: torch.Tensor | None
 
 
-def _head_fn(lm_head: nn.Module, fp32_logits: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+def _head_fn(lm_head: Any, fp32_logits: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     if not fp32_logits:
         return lm_head  # type: ignore[return-value]
 
@@ -149,7 +149,9 @@ def _checkpointed_chunks(
         return logprobs, logprobs if entropy is None else entropy
 
     pieces = [
-        checkpoint(chunk_outputs, hidden[start : start + chunk_size], labels[start : start + chunk_size], use_reentrant=False)
+        checkpoint(
+            chunk_outputs, hidden[start : start + chunk_size], labels[start : start + chunk_size], use_reentrant=False
+        )
         for start in range(0, hidden.shape[0], chunk_size)
     ]
     logprobs = torch.cat([piece[0] for piece in pieces])
@@ -196,7 +198,11 @@ def token_logprobs(
         logprobs, entropy = _logprob_and_entropy(_scaled(logits, temperature), labels, calculate_entropy)
         return TokenLogprobs(logprobs=logprobs, entropy=entropy, logits=logits)
     pieces = [
-        _logprob_and_entropy(_scaled(logits[start : start + chunk_size], temperature), labels[start : start + chunk_size], calculate_entropy)
+        _logprob_and_entropy(
+            _scaled(logits[start : start + chunk_size], temperature),
+            labels[start : start + chunk_size],
+            calculate_entropy,
+        )
         for start in range(0, logits.shape[0], chunk_size)
     ]
     logprobs = torch.cat([piece[0] for piece in pieces])

@@ -5,9 +5,10 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from arctic_dedup.plan import PrefixSharing
 from torch import nn
 
+from arctic_dedup.attention import TreeAttentionBackend
+from arctic_dedup.plan import PrefixSharing
 from arctic_zorro_train.logprobs import LogitsMode
 from arctic_zorro_train.patching import QwenAttentionPatcher, ZorroPatch, apply_zorro, remove_zorro
 from arctic_zorro_train.settings import ZorroSettings
@@ -32,7 +33,7 @@ class Qwen3ModelOncePatcher:
         attn_implementation: str | None = None,
         *,
         logits_optimization: LogitsMode = "none",
-        attention_backend: str = "auto",
+        attention_backend: TreeAttentionBackend = "auto",
         sharing: PrefixSharing = "prompt",
         logits_chunk_size: int = 1024,
         fp32_logits: bool = False,

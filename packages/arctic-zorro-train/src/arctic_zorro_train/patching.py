@@ -66,7 +66,7 @@ class QwenAttentionPatcher:
     """
 
     def __init__(
-        self, attention_layer: nn.Module, use_split_attention: bool = True, attn_implementation: str | None = None
+        self, attention_layer: Any, use_split_attention: bool = True, attn_implementation: str | None = None
     ) -> None:
         if not hasattr(attention_layer, "config"):
             raise ZorroPatchError(
@@ -84,7 +84,7 @@ class QwenAttentionPatcher:
 
     def patch(self) -> QwenAttentionPatcher:
         register_zorro_attention()
-        config = self.attention_layer.config
+        config: Any = self.attention_layer.config
         if isinstance(config, AttentionConfigView):
             config.zorro_use_split_attention = self.use_split_attention
             if self.attn_implementation is not None:
@@ -103,7 +103,7 @@ class QwenAttentionPatcher:
 
 
 def _gated_delta_forward(
-    module: nn.Module, projections: Callable[[nn.Module, torch.Tensor], GatedDeltaInputs]
+    module: nn.Module, projections: Callable[[Any, torch.Tensor], GatedDeltaInputs]
 ) -> Callable[..., torch.Tensor]:
     original = type(module).forward
 
@@ -128,7 +128,8 @@ def _gated_delta_forward(
 
 def find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(text backbone, LM head) of a causal LM or a VLM wrapper whose text model is supported."""
-    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output_embeddings: Any = getattr(model, "get_output_embeddings", None)
+    lm_head = get_output_embeddings() if get_output_embeddings is not None else None
     inner = getattr(model, "model", None)
     backbone = getattr(inner, "language_model", inner)
     if lm_head is None or backbone is None or not hasattr(backbone, "embed_tokens"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+
 from arctic_dedup import Plan, SampleLayout, build_plan_from_layout
 from arctic_dedup.plan import PrefixSharing
 
@@ -48,9 +49,7 @@ def plan_batch(
     return build_plan_from_layout(layout, sharing=sharing)
 
 
-def responses_to_padded(
-    values: torch.Tensor, plan: Plan, response_width: int, fill_value: float = 0.0
-) -> torch.Tensor:
+def responses_to_padded(values: torch.Tensor, plan: Plan, response_width: int, fill_value: float = 0.0) -> torch.Tensor:
     """Packed per-response-token values ``[M]`` (original sample order) -> ``[B, response_width]``, left-aligned."""
     lengths = plan.layout.response_lengths
     offsets = plan.responses.offsets

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from arctic_dedup.attention import TreeAttentionBackend
 from arctic_dedup.plan import PrefixSharing
-
 from arctic_zorro_train.logprobs import LOGITS_MODES, LogitsMode
 
 __all__ = ["ZorroSettings"]
@@ -21,7 +21,7 @@ class ZorroSettings:
     packed path without sharing (the baseline)."""
 
     use_split_attention: bool = True
-    attention_backend: str = "auto"
+    attention_backend: TreeAttentionBackend = "auto"
     logits_mode: LogitsMode = "none"
     logits_chunk_size: int = 1024
     fp32_logits: bool = False

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from arctic_dedup.testing import create_dummy_batch
 from torch import nn
 
+from arctic_dedup.testing import create_dummy_batch
 from arctic_zorro_train.families import resolve_architecture
 from arctic_zorro_train.moe import collect_router_logits
 
@@ -115,8 +115,14 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     text = _text_config(text_family, overrides).to_dict()
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
     wrapper = Qwen3_5Config if text_family == "qwen3_5" else Qwen3_5MoeConfig
-    return wrapper(text_config=text, vision_config=vision, image_token_id=125, video_token_id=126,
-                   vision_start_token_id=124, vision_end_token_id=127)
+    return wrapper(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=125,
+        video_token_id=126,
+        vision_start_token_id=124,
+        vision_end_token_id=127,
+    )
 
 
 def build_model(
@@ -192,9 +198,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return difference / scale if scale > 0 else difference
 
 
-def gradient_errors(
-    model: nn.Module, reference_grads: Mapping[str, torch.Tensor]
-) -> dict[str, float]:
+def gradient_errors(model: nn.Module, reference_grads: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Relative L2 error of every parameter gradient against ``reference_grads`` (name -> gradient)."""
     errors = {}
     for name, parameter in model.named_parameters():
@@ -254,16 +258,19 @@ def float64_recurrent_gated_delta_rule(
     return out, (state.float() if output_final_state else None)
 
 
+_CHUNK_RULE = "torch_chunk_gated_delta_rule"
+
+
 @contextmanager
 def float64_gated_delta_kernels(model: nn.Module) -> Iterator[None]:
     """Within the block, every Gated DeltaNet layer of ``model`` (plain and zorro path alike) uses
     ``float64_recurrent_gated_delta_rule`` instead of transformers' fp32 chunked kernel."""
     modules = {sys.modules[type(module).__module__] for module in model.modules() if hasattr(module, "A_log")}
-    saved = {module: module.torch_chunk_gated_delta_rule for module in modules}
+    saved = {module: getattr(module, _CHUNK_RULE) for module in modules}
     try:
         for module in modules:
-            module.torch_chunk_gated_delta_rule = float64_recurrent_gated_delta_rule
+            setattr(module, _CHUNK_RULE, float64_recurrent_gated_delta_rule)
         yield
     finally:
         for module, rule in saved.items():
-            module.torch_chunk_gated_delta_rule = rule
+            setattr(module, _CHUNK_RULE, rule)
