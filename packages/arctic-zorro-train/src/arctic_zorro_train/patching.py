@@ -228,7 +228,7 @@ def apply_zorro(
             linear_attention.append(module)
         elif name in architecture.router_classes:
             routers.append(module)
-    if not patchers:
+    if not patchers and not linear_attention:
         raise ZorroPatchError(
             f"found no attention module of {architecture.attention_classes} in {type(model).__name__}; this "
             "transformers version may have renamed them (tested with transformers 5.17-5.19)."
