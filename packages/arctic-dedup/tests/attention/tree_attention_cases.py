@@ -90,20 +90,20 @@ def random_tree_plan(
     return build_plan_from_layout(layout, sharing="trie")
 
 
-def deep_trie_plan(device: str | torch.device = "cpu", seed: int = 0) -> Plan:
-    """A 4-level tree: a shared system prompt, two questions, partial responses, then branches."""
+def deep_trie_plan(device: str | torch.device = "cpu", seed: int = 0, scale: int = 1) -> Plan:
+    """A 4-level tree: a shared system prompt, two questions, partial responses, then branches (lengths x scale)."""
     generator = torch.Generator().manual_seed(seed)
-    system = _random_tokens(generator, 11)
+    system = _random_tokens(generator, 11 * scale)
     samples: list[torch.Tensor] = []
     prompt_lengths: list[int] = []
-    for question_length in (5, 7):
+    for question_length in (5 * scale, 7 * scale):
         question = _random_tokens(generator, question_length)
-        for partial_length in (3, 6):
+        for partial_length in (3 * scale, 6 * scale):
             partial = _random_tokens(generator, partial_length)
-            for tail_length in (1, 4, 0):
+            for tail_length in (1, 4 * scale, 0):
                 tail = _random_tokens(generator, tail_length)
                 samples.append(torch.cat([system, question, partial, tail]))
-                prompt_lengths.append(11 + question_length)
+                prompt_lengths.append(11 * scale + question_length)
     response_lengths = [int(s.numel()) - p for s, p in zip(samples, prompt_lengths)]
     layout = SampleLayout.from_unpadded(
         torch.cat(samples).to(device),

@@ -10,7 +10,7 @@ Scores live in the log2 domain: ``s2 = q.k * scale * log2(e)`` (after the softca
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -153,9 +153,10 @@ def tree_attention_fwd_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Heaviest query blocks first (order is sorted by work), so the last wave is short.
-    q_block = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
+    # Heads vary fastest in launch order and blocks come heaviest first (order is sorted by work): the last wave
+    # is short, and programs running together share K/V through L2.
+    q_block = tl.load(order_ptr + tl.program_id(1)).to(tl.int64)
+    head = tl.program_id(0).to(tl.int64)
     kv_head = head // GROUP
     offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -344,8 +345,8 @@ def tree_attention_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """One program per (key block, kv head): dK and dV summed over the whole query-head group, no atomics."""
-    key_block = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
+    key_block = tl.load(order_ptr + tl.program_id(1)).to(tl.int64)
+    kv_head = tl.program_id(0).to(tl.int64)
     offs_n = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < num_tokens
@@ -495,8 +496,8 @@ def tree_attention_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """One program per (query block, query head): dQ over the block's key lists, a fixed order, no atomics."""
-    q_block = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
+    q_block = tl.load(order_ptr + tl.program_id(1)).to(tl.int64)
+    head = tl.program_id(0).to(tl.int64)
     kv_head = head // GROUP
     offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

@@ -31,7 +31,7 @@ class TritonConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    bwd_block_m: int = 64
+    bwd_block_m: int = 32
     bwd_block_n: int = 128
     bwd_num_warps: int = 8
     bwd_num_stages: int = 2
@@ -54,14 +54,21 @@ _INTERPRETER_CONFIG = TritonConfig(
 )
 
 
-def default_triton_config(head_dim: int, device: torch.device) -> TritonConfig:
-    """Settings used when the caller gives none (the benchmark's block-size sweep reports better ones)."""
+def default_triton_config(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TritonConfig:
+    """Settings used when the caller gives none. Chosen from sm_90 compiles (registers, spills, shared memory) and
+    the benchmark's sweep (``benchmarks/tree_attention.py`` prints the best settings it measured)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    if head_dim >= 256:
-        # Register pressure: halve the tiles that hold a [block, D] fp32 accumulator.
+    if dtype == torch.float32:
+        # Exact fp32 products run on the FMA units and need many registers: small tiles (a correctness path).
         return TritonConfig(
-            block_m=64, block_n=32, num_stages=2, bwd_block_m=32, bwd_block_n=64, dq_block_m=64, dq_block_n=32
+            block_m=32, block_n=32, num_warps=4, num_stages=1, bwd_block_m=32, bwd_block_n=32, bwd_num_warps=4,
+            bwd_num_stages=1, dq_block_m=32, dq_block_n=32, dq_num_warps=4, dq_num_stages=1,
+        )  # fmt: skip
+    if head_dim >= 256:
+        # Register pressure: [block, 256] fp32 accumulators; these tiles compile without spills for sm_90.
+        return TritonConfig(
+            block_m=64, block_n=32, num_stages=2, bwd_block_m=16, bwd_block_n=64, dq_block_m=64, dq_block_n=32
         )
     return TritonConfig()
 
@@ -119,7 +126,7 @@ def launch_forward(
     lse = _empty((num_q_heads, num_tokens), torch.float32, query.device)
     tables = kernel_tables(plan, config.block_m, config.block_n, sliding_window)
     cap, window, use_cap, use_window = _mask_arguments(softcap, sliding_window)
-    grid = (tables.num_q_blocks, num_q_heads)
+    grid = (num_q_heads, tables.num_q_blocks)
     tree_attention_fwd_kernel[grid](
         query, key, value, out, lse,
         tables.kv_full_num, tables.kv_full_indices, tables.kv_part_num, tables.kv_part_indices, tables.q_block_order,
@@ -192,7 +199,7 @@ def launch_backward(
     else:
         dq_accumulator = _empty(tuple(query.shape), query.dtype, device)
     tables: KernelTables = kernel_tables(plan, config.bwd_block_m, config.bwd_block_n, sliding_window)
-    tree_attention_bwd_dkdv_kernel[(tables.num_k_blocks, num_kv_heads)](
+    tree_attention_bwd_dkdv_kernel[(num_kv_heads, tables.num_k_blocks)](
         query, key, value, grad_out, lse, delta, dq_accumulator, dk, dv,
         tables.q_full_num, tables.q_full_indices, tables.q_part_num, tables.q_part_indices, tables.k_block_order,
         plan.kv_visible_until, positions,
@@ -208,7 +215,7 @@ def launch_backward(
         return dq_accumulator.to(query.dtype), dk, dv
     dq = dq_accumulator
     dq_tables = kernel_tables(plan, config.dq_block_m, config.dq_block_n, sliding_window)
-    tree_attention_bwd_dq_kernel[(dq_tables.num_q_blocks, num_q_heads)](
+    tree_attention_bwd_dq_kernel[(num_q_heads, dq_tables.num_q_blocks)](
         query, key, value, grad_out, lse, delta, dq,
         dq_tables.kv_full_num, dq_tables.kv_full_indices, dq_tables.kv_part_num, dq_tables.kv_part_indices,
         dq_tables.q_block_order, plan.kv_visible_until, positions,

@@ -82,7 +82,7 @@ def triton_tree_attention(
     ``config`` overrides tile sizes and launch settings (``default_triton_config`` otherwise).
     """
     if config is None:
-        config = default_triton_config(query.shape[2], query.device)
+        config = default_triton_config(query.shape[2], query.device, query.dtype)
     result: tuple[torch.Tensor, torch.Tensor] = TreeAttentionFunction.apply(
         query, key, value, plan, scale, sliding_window, softcap, config, deterministic
     )

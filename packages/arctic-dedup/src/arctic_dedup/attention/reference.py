@@ -44,9 +44,13 @@ def tree_attention_reference(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_scores: int = MAX_REFERENCE_SCORES,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree attention with a dense mask in fp32: ``[T, Hq, D]`` x ``[T, Hkv, D]`` -> (out ``[T, Hq, D]`` in the
-    input dtype, lse ``[T, Hq]`` fp32, natural log). Differentiable through plain torch autograd."""
+    input dtype, lse ``[T, Hq]`` fp32, natural log). Differentiable through plain torch autograd.
+
+    ``compute_dtype=torch.bfloat16`` runs both matrix products in bf16 (softmax still fp32): not a reference but
+    the yardstick for "within bf16 noise" (how far a plain bf16 implementation lands from the fp32 result)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     scores_size = num_q_heads * num_tokens * num_tokens
@@ -58,10 +62,10 @@ def tree_attention_reference(
         )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     group = num_q_heads // num_kv_heads
-    q = query.float().transpose(0, 1)
-    k = key.float().transpose(0, 1).repeat_interleave(group, dim=0)
-    v = value.float().transpose(0, 1).repeat_interleave(group, dim=0)
-    scores = torch.matmul(q, k.transpose(1, 2)) * scale
+    q = query.to(compute_dtype).transpose(0, 1)
+    k = key.to(compute_dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+    v = value.to(compute_dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)).float() * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     mask = reference_mask(kv_visible_until, position_ids, sliding_window)
@@ -69,5 +73,5 @@ def tree_attention_reference(
     # Every query sees at least itself, so no row is empty and the softmax is finite.
     lse = torch.logsumexp(scores, dim=-1)
     probabilities = torch.exp(scores - lse[..., None])
-    out = torch.matmul(probabilities, v)
+    out = torch.matmul(probabilities.to(compute_dtype), v)
     return out.transpose(0, 1).to(query.dtype), lse.transpose(0, 1).contiguous()

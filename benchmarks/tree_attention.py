@@ -1,0 +1,653 @@
+"""Tree attention on one GPU: correctness of every backend, a Triton tile sweep, and useful TFLOP/s.
+
+    python benchmarks/tree_attention.py [--out DIR] [--quick] [--budget-s SECONDS]
+
+Useful work (the FLOP formula every TFLOP/s number here uses): a visible (query, key) pair costs ``2 * D`` FLOPs
+for ``q.k`` and ``2 * D`` for ``p.v`` per query head, so
+
+    useful_fwd = 4 * D * Hq * pairs,  useful_bwd = 2.5 * useful_fwd,  useful_fwd_bwd = 3.5 * useful_fwd,
+
+with ``pairs = sum_k (kv_visible_until[k] - k)`` (every query that sees key ``k``). Work a kernel does on masked
+elements or recomputes in the backward is not counted. The baseline, plain causal attention over every sample
+separately (SDPA flash on the unpacked, non-deduplicated sequences), is reported with the same formula over its own
+causal pairs, and its time is what deduplication saves.
+
+Sections (each guarded: an error is recorded in the JSON and the run goes on; a time budget skips what is left):
+  1. correctness, bf16, Qwen3-4B heads (32 q, 8 kv, d=128), every backend against the fp32 reference, outputs,
+     lse and gradients, judged against a plain bf16 implementation's own error (``ratio_to_bf16_noise``);
+  2. Triton tile sweep (forward, dK/dV, dQ, atomic dQ) at P=8192 G=16 R=512; the best settings are printed and used;
+  3. performance at P=8192 G=16 R=512, the ragged variant (R uniform in 128..1024) and long (P=32K, G=8, R=2K):
+     forward, backward and forward+backward per backend, next to SDPA flash on the unpacked sequences, plus the
+     plan and metadata build times as a fraction of the attention time;
+  4. a long-prompt check: Triton against FlexAttention and against an exact fp32 computation of sampled rows.
+Writes ``<out>/tree_attention.json`` (after every section) and ``tree_attention.png``; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import cuda_time_ms, default_out_dir, print_table, run_metadata, write_results
+
+from arctic_dedup import Plan, build_plan_from_layout
+from arctic_dedup.attention import tree_attention, tree_attention_reference
+from arctic_dedup.attention._launch import TritonConfig, default_triton_config, launch_backward, launch_forward
+from arctic_dedup.attention._tables import build_kernel_tables
+from arctic_dedup.attention.function import triton_tree_attention
+from arctic_dedup.attention_meta import block_sparsity
+from arctic_dedup.layout import SampleLayout
+
+NAME = "tree_attention"
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+# Module constants so a CPU dry run (tests of this script under the Triton interpreter) can shrink them.
+DEVICE = "cuda"
+FORMULA = "useful_fwd = 4*D*Hq*pairs; useful_bwd = 2.5*useful_fwd; useful_fwd_bwd = 3.5*useful_fwd"
+
+
+@dataclass
+class Run:
+    out_dir: Path
+    budget_s: float
+    started: float = field(default_factory=time.time)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def left(self) -> float:
+        return self.budget_s - (time.time() - self.started)
+
+    def save(self) -> None:
+        self.summary["errors"] = self.errors
+        self.summary["elapsed_s"] = round(time.time() - self.started, 1)
+        write_results(self.out_dir, NAME, self.summary, self.rows)
+
+    def attempt(self, what: str, fn: Callable[[], Any], need_s: float = 0.0) -> Any:
+        """Run ``fn`` unless the budget is spent (returns None then); record (not raise) its errors."""
+        if self.left() < need_s:
+            self.errors.append(f"{what}: skipped, {self.left():.0f}s of the time budget left")
+            print(f"[skip] {what}: time budget", flush=True)
+            return None
+        began = time.time()
+        try:
+            return fn()
+        except Exception as error:
+            message = f"{what}: {type(error).__name__}: {error}"
+            self.errors.append(message[:2000])
+            print(f"[error] {message[:400]}", flush=True)
+            traceback.print_exc()
+            return None
+        finally:
+            print(f"[done] {what} in {time.time() - began:.1f}s ({self.left():.0f}s left)", flush=True)
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------------- plans
+
+
+def _layout(prompts: list[int], responses: list[list[int]], seed: int) -> SampleLayout:
+    generator = torch.Generator().manual_seed(seed)
+    ids, prompt_lengths, response_lengths = [], [], []
+    for prompt_length, lengths in zip(prompts, responses):
+        prompt = torch.randint(1, 100_000, (prompt_length,), generator=generator)
+        for length in lengths:
+            ids += [prompt, torch.randint(1, 100_000, (length,), generator=generator)]
+            prompt_lengths.append(prompt_length)
+            response_lengths.append(length)
+    return SampleLayout.from_unpadded(
+        torch.cat(ids).to(DEVICE), torch.tensor(prompt_lengths).to(DEVICE), torch.tensor(response_lengths).to(DEVICE)
+    )
+
+
+def _deep_layout(scale: int, seed: int) -> SampleLayout:
+    """A 4-level trie: shared system prompt, two questions, partial answers, branched endings."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def tokens(length: int) -> torch.Tensor:
+        return torch.randint(1, 100_000, (length,), generator=generator)
+
+    system = tokens(11 * scale)
+    samples, prompt_lengths = [], []
+    for question in (5 * scale, 7 * scale + 3):
+        question_tokens = tokens(question)
+        for partial in (3 * scale + 1, 6 * scale):
+            partial_tokens = tokens(partial)
+            for tail in (1, 4 * scale, 0, 2 * scale + 5):
+                samples.append(torch.cat([system, question_tokens, partial_tokens, tokens(tail)]))
+                prompt_lengths.append(11 * scale + question)
+    lengths = [int(sample.numel()) - prompt for sample, prompt in zip(samples, prompt_lengths)]
+    return SampleLayout.from_unpadded(
+        torch.cat(samples).to(DEVICE), torch.tensor(prompt_lengths).to(DEVICE), torch.tensor(lengths).to(DEVICE)
+    )
+
+
+def performance_layouts(quick: bool) -> dict[str, SampleLayout]:
+    generator = torch.Generator().manual_seed(1)
+    ragged = torch.randint(128, 1025, (16,), generator=generator).tolist()
+    layouts = {"P8192_G16_R512": _layout([8192], [[512] * 16], seed=2)}
+    if not quick:
+        layouts["P8192_G16_ragged"] = _layout([8192], [ragged], seed=3)
+        layouts["P32768_G8_R2048"] = _layout([32768], [[2048] * 8], seed=4)
+    return layouts
+
+
+def useful_pairs(plan: Plan) -> int:
+    until = plan.kv_visible_until.long()
+    return int((until - torch.arange(until.numel(), device=until.device)).sum())
+
+
+def _inputs(plan: Plan, seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    tokens = plan.num_packed_tokens
+    shapes = ((tokens, HEADS_Q, HEAD_DIM), (tokens, HEADS_KV, HEAD_DIM), (tokens, HEADS_KV, HEAD_DIM))
+    return tuple(torch.randn(shape, generator=generator, device=DEVICE, dtype=dtype) for shape in shapes)
+
+
+# ----------------------------------------------------------------------------------------------------- correctness
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-30))
+
+
+def _forward_backward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out, lse = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    return out.detach(), lse.detach(), grads
+
+
+def _backends(config: TritonConfig) -> dict[str, Callable[..., Any]]:
+    def run(backend: str, **extra: Any) -> Callable[..., Any]:
+        def call(plan: Plan) -> Callable[..., Any]:
+            if backend.startswith("triton"):
+                return lambda q, k, v: triton_tree_attention(q, k, v, plan, scale=HEAD_DIM**-0.5, **extra)
+            return lambda q, k, v: tree_attention(q, k, v, plan, backend=backend, return_lse=True)  # type: ignore[call-overload]
+
+        return call
+
+    return {
+        "flex": run("flex"),
+        "triton": run("triton", deterministic=True, config=config),
+        "triton_atomic_dq": run("triton", deterministic=False, config=replace(config, atomic_dq=True)),
+        "varlen": run("varlen"),
+    }
+
+
+def _reference_pair(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> tuple:
+    """(exact fp32 reference on the bf16 inputs, plain bf16 implementation): outputs, lse and gradients."""
+    until = plan.kv_visible_until
+    exact = _forward_backward(
+        lambda a, b, c: tree_attention_reference(a.float(), b.float(), c.float(), until, max_scores=2**31),
+        q, k, v, grad.float(),
+    )  # fmt: skip
+    noise = _forward_backward(
+        lambda a, b, c: tree_attention_reference(a, b, c, until, max_scores=2**31, compute_dtype=torch.bfloat16),
+        q, k, v, grad,
+    )  # fmt: skip
+    return exact, noise
+
+
+GRADIENT_NAMES = ["out", "dq", "dk", "dv"]
+
+
+def _check_backend(
+    run: Run, case: str, plan: Plan, inputs: tuple, exact: tuple, noise_errors: list[float], backend: str,
+    make: Callable[..., Any],
+) -> None:  # fmt: skip
+    q, k, v, grad = inputs
+    got = _forward_backward(make(plan), q, k, v, grad)
+    errors = [_relative_error(x, y) for x, y in zip([got[0], *got[2]], [exact[0], *exact[2]])]
+    lse_error = float((got[1].float() - exact[1]).abs().max())
+    finite = all(bool(torch.isfinite(t).all()) for t in [got[0], got[1], *got[2]])
+    ratios = {name: error / max(base, 1e-6) for name, error, base in zip(GRADIENT_NAMES, errors, noise_errors)}
+    run.rows.append(
+        {
+            "section": "correctness",
+            "case": case,
+            "tokens": plan.num_packed_tokens,
+            "backend": backend,
+            "passed": finite and lse_error < 0.05 and all(ratio < 3.0 for ratio in ratios.values()),
+            "lse_max_abs_error": lse_error,
+            **{f"{name}_rel_error": error for name, error in zip(GRADIENT_NAMES, errors)},
+            **{f"{name}_bf16_noise": base for name, base in zip(GRADIENT_NAMES, noise_errors)},
+            "worst_ratio_to_bf16_noise": max(ratios.values()),
+        }
+    )
+    print_table(
+        [run.rows[-1]], ["case", "backend", "passed", "out_rel_error", "dq_rel_error", "worst_ratio_to_bf16_noise"]
+    )
+
+
+def _correctness_case(run: Run, config: TritonConfig, case: str, plan: Plan) -> None:
+    q, k, v = _inputs(plan, seed=7)
+    grad = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
+    pair = run.attempt(f"correctness {case} reference", functools.partial(_reference_pair, plan, q, k, v, grad))
+    if pair is None:
+        return
+    exact, noise = pair
+    noise_errors = [_relative_error(x, y) for x, y in zip([noise[0], *noise[2]], [exact[0], *exact[2]])]
+    for backend, make in _backends(config).items():
+        check = functools.partial(_check_backend, run, case, plan, (q, k, v, grad), exact, noise_errors, backend, make)
+        run.attempt(f"correctness {case} {backend}", check, need_s=20)
+
+
+def section_correctness(run: Run, config: TritonConfig) -> None:
+    plans = {
+        # A prompt that is not a multiple of the block size; empty, one-token and ragged responses.
+        "ragged_edges": build_plan_from_layout(_layout([1000, 77], [[0, 1, 37, 128, 255, 300, 129], [64, 1]], 5)),
+        "deep_trie": build_plan_from_layout(_deep_layout(24, 6), sharing="trie"),
+    }
+    for case, plan in plans.items():
+        _correctness_case(run, config, case, plan)
+    checked = [row for row in run.rows if row["section"] == "correctness"]
+    run.summary["correctness_all_passed"] = bool(checked) and all(row["passed"] for row in checked)
+    run.save()
+
+
+# ------------------------------------------------------------------------------------------------------ the sweep
+
+FWD_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
+DKDV_SWEEP = [(32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 2), (64, 64, 8, 2), (32, 64, 8, 2), (64, 128, 8, 2)]
+DQ_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2)]
+
+
+def _time_forward(plan: Plan, tensors: tuple[torch.Tensor, ...], config: TritonConfig) -> float:
+    q, k, v = tensors
+    return cuda_time_ms(
+        lambda: launch_forward(q, k, v, plan, scale=HEAD_DIM**-0.5, sliding_window=None, softcap=None, config=config),
+        warmup=3,
+        repeats=10,
+    )
+
+
+def _time_backward(plan: Plan, tensors: tuple[torch.Tensor, ...], config: TritonConfig, deterministic: bool) -> float:
+    q, k, v = tensors
+    scale = HEAD_DIM**-0.5
+    out, lse = launch_forward(q, k, v, plan, scale=scale, sliding_window=None, softcap=None, config=config)
+    grad = torch.randn_like(out)
+    return cuda_time_ms(
+        lambda: launch_backward(
+            grad, q, k, v, out, lse, None, plan, scale=scale, sliding_window=None, softcap=None, config=config,
+            deterministic=deterministic,
+        ),
+        warmup=3,
+        repeats=10,
+    )  # fmt: skip
+
+
+def section_sweep(run: Run, plan: Plan, base: TritonConfig) -> TritonConfig:
+    tensors = _inputs(plan, seed=11)
+    useful_fwd = 4 * HEAD_DIM * HEADS_Q * useful_pairs(plan)
+    best = base
+
+    def record(kernel: str, config: TritonConfig, milliseconds: float, flops: float) -> None:
+        run.rows.append(
+            {
+                "section": "sweep",
+                "kernel": kernel,
+                "config": asdict(config),
+                "ms": milliseconds,
+                "useful_tflops": flops / milliseconds / 1e9,
+            }
+        )
+        print(f"  sweep {kernel:10s} {milliseconds:8.3f} ms  {flops / milliseconds / 1e9:6.0f} TFLOP/s  {config}")
+
+    def sweep(
+        kernel: str, candidates: list[TritonConfig], deterministic: bool = True
+    ) -> list[tuple[float, TritonConfig]]:
+        timings = []
+        for candidate in candidates:
+
+            def measure(candidate: TritonConfig = candidate) -> float:
+                if kernel == "forward":
+                    milliseconds = _time_forward(plan, tensors, candidate)
+                    record(kernel, candidate, milliseconds, useful_fwd)
+                else:
+                    milliseconds = _time_backward(plan, tensors, candidate, deterministic)
+                    record(kernel, candidate, milliseconds, 2.5 * useful_fwd)
+                return milliseconds
+
+            milliseconds = run.attempt(f"sweep {kernel} {candidate}", measure, need_s=70)
+            if milliseconds is not None:
+                timings.append((milliseconds, candidate))
+        return timings
+
+    forward = sweep(
+        "forward",
+        [replace(best, block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in FWD_SWEEP],
+    )
+    best = min(forward, key=lambda item: item[0])[1] if forward else best
+    dkdv = sweep(
+        "backward",
+        [replace(best, bwd_block_m=m, bwd_block_n=n, bwd_num_warps=w, bwd_num_stages=s) for m, n, w, s in DKDV_SWEEP],
+    )
+    best = min(dkdv, key=lambda item: item[0])[1] if dkdv else best
+    dq = sweep(
+        "backward",
+        [replace(best, dq_block_m=m, dq_block_n=n, dq_num_warps=w, dq_num_stages=s) for m, n, w, s in DQ_SWEEP],
+    )
+    if dq:
+        deterministic_ms, best = min(dq, key=lambda item: item[0])
+        atomic = sweep("backward_atomic_dq", [replace(best, atomic_dq=True)], deterministic=False)
+        if atomic and atomic[0][0] < deterministic_ms:
+            best = atomic[0][1]
+    run.summary["best_triton_config"] = asdict(best)
+    print(f"best Triton config: {best}", flush=True)
+    run.save()
+    return best
+
+
+# ----------------------------------------------------------------------------------------------------- performance
+
+
+def _sdpa_baseline(layout: SampleLayout, seed: int) -> tuple[Callable[[], Any], Callable[[], Any], int]:
+    """Plain causal attention over every unpacked sample (SDPA, flash backend); lengths grouped so equal-length
+    samples go in one batched call. Returns (forward, forward+backward, causal pairs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    lengths = (layout.prompt_lengths + layout.response_lengths).tolist()
+    groups: dict[int, int] = {}
+    for length in lengths:
+        groups[length] = groups.get(length, 0) + 1
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for length, count in groups.items():
+        q = torch.randn(count, HEADS_Q, length, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+        # SDPA's flash kernel wants equal head counts: expand the kv heads (GQA) like a non-deduplicated run would.
+        k = torch.randn(count, HEADS_KV, length, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+        v = torch.randn_like(k)
+        k = k.repeat_interleave(HEADS_Q // HEADS_KV, dim=1).requires_grad_(True)
+        v = v.repeat_interleave(HEADS_Q // HEADS_KV, dim=1).requires_grad_(True)
+        batches.append((q.requires_grad_(True), k, v))
+    grads = [torch.randn_like(batch[0]) for batch in batches]
+
+    def forward() -> list[torch.Tensor]:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+            return [scaled_dot_product_attention(q, k, v, is_causal=True) for q, k, v in batches]
+
+    def forward_backward() -> None:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for (q, k, v), grad in zip(batches, grads):
+                out = scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(out, (q, k, v), grad)
+
+    pairs = sum(length * (length + 1) // 2 for length in lengths)
+    return forward, forward_backward, pairs
+
+
+def _measure_backend(fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], repeats: int) -> dict[str, float]:
+    """Forward (as in training: autograd recording), backward alone, and both, in median milliseconds."""
+    q, k, v = (t.detach().requires_grad_(True) for t in tensors)
+    grad = torch.randn_like(q)
+    forward_ms = cuda_time_ms(lambda: fn(q, k, v), warmup=3, repeats=repeats)
+    recorded = fn(q, k, v)[0]
+    backward_ms = cuda_time_ms(
+        lambda: torch.autograd.grad(recorded, (q, k, v), grad, retain_graph=True), warmup=3, repeats=repeats
+    )
+
+    def both() -> None:
+        torch.autograd.grad(fn(q, k, v)[0], (q, k, v), grad)
+
+    total_ms = cuda_time_ms(both, warmup=2, repeats=repeats)
+    return {"fwd_ms": forward_ms, "bwd_ms": backward_ms, "fwd_bwd_ms": total_ms}
+
+
+def _metadata_times(layout: SampleLayout, plan: Plan, config: TritonConfig) -> dict[str, float]:
+    def host_ms(fn: Callable[[], Any], repeats: int = 5) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - began) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    def triton_tables() -> None:
+        for block_m, block_n in {
+            (config.block_m, config.block_n),
+            (config.bwd_block_m, config.bwd_block_n),
+            (config.dq_block_m, config.dq_block_n),
+        }:
+            build_kernel_tables(plan.kv_visible_until, plan.position_ids, block_m, block_n)
+
+    return {
+        "plan_build_ms": host_ms(lambda: build_plan_from_layout(layout)),
+        "block_sparsity_ms": host_ms(lambda: block_sparsity(plan.kv_visible_until, 128, 128)),
+        "triton_tables_ms": host_ms(triton_tables),
+    }
+
+
+def _measure_row(
+    run: Run, base: dict[str, Any], make: Callable[..., Any], plan: Plan, tensors: tuple, repeats: int, backend: str
+) -> None:
+    useful_fwd = 4 * HEAD_DIM * HEADS_Q * base["pairs"]
+    times = _measure_backend(make(plan), tensors, repeats)
+    run.rows.append(
+        {
+            **base,
+            "backend": backend,
+            **times,
+            "fwd_useful_tflops": useful_fwd / times["fwd_ms"] / 1e9,
+            "bwd_useful_tflops": 2.5 * useful_fwd / times["bwd_ms"] / 1e9,
+            "fwd_bwd_useful_tflops": 3.5 * useful_fwd / times["fwd_bwd_ms"] / 1e9,
+        }
+    )
+    print_table([run.rows[-1]], ["shape", "backend", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_useful_tflops"])
+
+
+def _baseline_row(run: Run, base: dict[str, Any], layout: SampleLayout, repeats: int) -> None:
+    forward, forward_backward, baseline_pairs = _sdpa_baseline(layout, seed=17)
+    baseline_fwd = 4 * HEAD_DIM * HEADS_Q * baseline_pairs
+    forward_ms = cuda_time_ms(forward, warmup=2, repeats=repeats)
+    total_ms = cuda_time_ms(forward_backward, warmup=2, repeats=repeats)
+    run.rows.append(
+        {
+            **base,
+            "backend": "sdpa_unpacked_causal",
+            "baseline_pairs": baseline_pairs,
+            "fwd_ms": forward_ms,
+            "fwd_bwd_ms": total_ms,
+            "fwd_useful_tflops": baseline_fwd / forward_ms / 1e9,
+            "fwd_bwd_useful_tflops": 3.5 * baseline_fwd / total_ms / 1e9,
+            "pair_ratio_bound": baseline_pairs / base["pairs"],
+        }
+    )
+
+
+def _metadata_row(run: Run, base: dict[str, Any], layout: SampleLayout, plan: Plan, config: TritonConfig) -> None:
+    times = _metadata_times(layout, plan, config)
+    attention = [row for row in run.rows if row.get("shape") == base["shape"] and row.get("backend") == "triton"]
+    fraction = {}
+    if attention:
+        attention_ms = attention[-1]["fwd_bwd_ms"]
+        metadata_ms = times["block_sparsity_ms"] + times["triton_tables_ms"]
+        fraction = {
+            "metadata_fraction_of_one_layer": metadata_ms / attention_ms,
+            "plan_fraction_of_one_layer": times["plan_build_ms"] / attention_ms,
+        }
+    run.rows.append({**base, "backend": "metadata", **times, **fraction})
+
+
+def _performance_shape(run: Run, shape: str, layout: SampleLayout, config: TritonConfig, quick: bool) -> None:
+    repeats = 5 if quick else 10
+    plan = build_plan_from_layout(layout)
+    tensors = _inputs(plan, seed=13)
+    base = {"section": "performance", "shape": shape, "tokens": plan.num_packed_tokens, "pairs": useful_pairs(plan)}
+    backends = _backends(config)
+    for backend in ["triton", "flex"] if quick else ["triton", "flex", "triton_atomic_dq", "varlen"]:
+        measure = functools.partial(_measure_row, run, base, backends[backend], plan, tensors, repeats, backend)
+        run.attempt(f"performance {shape} {backend}", measure, need_s=45 if backend == "flex" else 15)
+    run.attempt(
+        f"performance {shape} sdpa baseline", functools.partial(_baseline_row, run, base, layout, repeats), need_s=20
+    )
+    run.attempt(
+        f"performance {shape} metadata", functools.partial(_metadata_row, run, base, layout, plan, config), need_s=10
+    )
+    run.save()
+
+
+def section_performance(run: Run, layouts: dict[str, SampleLayout], config: TritonConfig, quick: bool) -> None:
+    for shape, layout in layouts.items():
+        _performance_shape(run, shape, layout, config, quick)
+
+
+def section_long_check(run: Run, config: TritonConfig) -> None:
+    """P=32K, G=8, R=2K: Triton against FlexAttention (outputs and gradients) and both against an exact fp32
+    computation of 512 sampled query rows (forward)."""
+    layout = _layout([32768], [[2048] * 8], seed=4)
+    plan = build_plan_from_layout(layout)
+    q, k, v = _inputs(plan, seed=19)
+    grad = torch.randn_like(q)
+    backends = _backends(config)
+    results = {name: _forward_backward(backends[name](plan), q, k, v, grad) for name in ("triton", "flex")}
+    generator = torch.Generator(device=DEVICE).manual_seed(23)
+    rows = torch.randint(0, plan.num_packed_tokens, (512,), device=DEVICE, generator=generator)
+    tokens = torch.arange(plan.num_packed_tokens, device=DEVICE)
+    until = plan.kv_visible_until.long()
+    visible = (tokens[None, :] <= rows[:, None]) & (rows[:, None] < until[None, :])
+    group = HEADS_Q // HEADS_KV
+    scores = torch.einsum("rhd,khd->hrk", q[rows].float(), k.float().repeat_interleave(group, dim=1)) / math.sqrt(
+        HEAD_DIM
+    )
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    exact_rows = torch.einsum("hrk,khd->rhd", torch.softmax(scores, -1), v.float().repeat_interleave(group, dim=1))
+    row: dict[str, Any] = {"section": "long_check", "tokens": plan.num_packed_tokens}
+    for name, (out, _, _) in results.items():
+        row[f"{name}_sampled_rows_rel_error"] = _relative_error(out[rows], exact_rows)
+    for index, gradient_name in enumerate(("dq", "dk", "dv")):
+        row[f"triton_vs_flex_{gradient_name}_rel_error"] = _relative_error(
+            results["triton"][2][index], results["flex"][2][index]
+        )
+    row["triton_vs_flex_out_rel_error"] = _relative_error(results["triton"][0], results["flex"][0])
+    row["passed"] = all(float(value) < 2e-2 for key, value in row.items() if key.endswith("rel_error"))
+    run.rows.append(row)
+    run.summary["long_check_passed"] = row["passed"]
+    run.save()
+
+
+# --------------------------------------------------------------------------------------------------------- summary
+
+
+def _headline(run: Run) -> None:
+    def find(shape: str, backend: str) -> dict[str, Any] | None:
+        for row in run.rows:
+            if row.get("section") == "performance" and row.get("shape") == shape and row.get("backend") == backend:
+                return row
+        return None
+
+    first = "P8192_G16_R512"
+    triton, flex = find(first, "triton"), find(first, "flex")
+    atomic = find(first, "triton_atomic_dq")
+    fastest = min([row for row in (triton, atomic) if row is not None], key=lambda row: row["fwd_bwd_ms"], default=None)
+    if fastest is not None:
+        run.summary["triton_useful_tflops_fwdbwd"] = fastest["fwd_bwd_useful_tflops"]
+        run.summary["triton_variant"] = fastest["backend"]
+        run.summary["triton_fraction_of_matmul_rate"] = fastest["fwd_bwd_useful_tflops"] / 775.0
+    if fastest is not None and flex is not None:
+        run.summary["triton_vs_flex_fwdbwd"] = flex["fwd_bwd_ms"] / fastest["fwd_bwd_ms"]
+        run.summary["flex_useful_tflops_fwdbwd"] = flex["fwd_bwd_useful_tflops"]
+    per_shape = {}
+    for shape in {row.get("shape") for row in run.rows if row.get("section") == "performance"}:
+        entries = {row["backend"]: row for row in run.rows if row.get("shape") == shape}
+        fast = [entries[name] for name in ("triton", "triton_atomic_dq") if name in entries]
+        if fast and "flex" in entries:
+            best = min(fast, key=lambda row: row["fwd_bwd_ms"])
+            per_shape[shape] = {
+                "triton_vs_flex_fwdbwd": entries["flex"]["fwd_bwd_ms"] / best["fwd_bwd_ms"],
+                "triton_vs_flex_fwd": entries["flex"]["fwd_ms"] / best["fwd_ms"],
+                "triton_vs_flex_bwd": entries["flex"]["bwd_ms"] / best["bwd_ms"],
+            }
+        if fast and "sdpa_unpacked_causal" in entries:
+            best = min(fast, key=lambda row: row["fwd_bwd_ms"])
+            per_shape.setdefault(shape, {})["speedup_over_unpacked_sdpa"] = (
+                entries["sdpa_unpacked_causal"]["fwd_bwd_ms"] / best["fwd_bwd_ms"]
+            )
+            per_shape[shape]["pair_ratio_bound"] = entries["sdpa_unpacked_causal"]["pair_ratio_bound"]
+        if "metadata" in entries:
+            per_shape.setdefault(shape, {})["metadata_fraction_of_one_layer"] = entries["metadata"].get(
+                "metadata_fraction_of_one_layer"
+            )
+    run.summary["per_shape"] = per_shape
+    run.summary["flop_formula"] = FORMULA
+    run.summary["matmul_rate_tflops"] = 775.0
+
+
+def _plot(run: Run) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        run.errors.append(f"plot: {error}")
+        return
+    rows = [row for row in run.rows if row.get("section") == "performance" and "fwd_bwd_useful_tflops" in row]
+    shapes = sorted({row["shape"] for row in rows})
+    backends = ["triton", "triton_atomic_dq", "flex", "varlen", "sdpa_unpacked_causal"]
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(backends)
+    for index, backend in enumerate(backends):
+        values = [
+            next((row["fwd_bwd_useful_tflops"] for row in rows if row["shape"] == s and row["backend"] == backend), 0)
+            for s in shapes
+        ]
+        axis.bar([x + index * width for x in range(len(shapes))], values, width, label=backend)
+    axis.axhline(775 * 0.6, color="gray", linestyle="--", linewidth=1, label="60% of bf16 matmul")
+    axis.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes)
+    axis.set_ylabel("useful TFLOP/s, forward + backward")
+    axis.set_title(f"Tree attention, {HEADS_Q}q/{HEADS_KV}kv heads, d={HEAD_DIM} ({run_metadata()['device']})")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(run.out_dir / f"{NAME}.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=default_out_dir())
+    parser.add_argument("--quick", action="store_true", help="correctness and the first shape only (for gpu_tests)")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="stop starting new work after this long")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("tree_attention: needs a CUDA GPU; nothing measured.")
+        return
+    run = Run(args.out, args.budget_s)
+    run.summary["flop_formula"] = FORMULA
+    config = default_triton_config(HEAD_DIM, torch.device(DEVICE))
+    run.attempt("correctness", lambda: section_correctness(run, config))
+    layouts = performance_layouts(args.quick)
+    if not args.quick:
+        first_plan = build_plan_from_layout(layouts["P8192_G16_R512"])
+        config = run.attempt("sweep", lambda: section_sweep(run, first_plan, config), need_s=120) or config
+    run.attempt("performance", lambda: section_performance(run, layouts, config, args.quick))
+    if not args.quick:
+        run.attempt("long check", lambda: section_long_check(run, config), need_s=40)
+    _headline(run)
+    run.save()
+    _plot(run)
+    table = [row for row in run.rows if row.get("section") == "performance" and row.get("backend") != "metadata"]
+    print_table(
+        table, ["shape", "backend", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_useful_tflops", "fwd_bwd_useful_tflops"]
+    )
+    headline_keys = ["triton_vs_flex_fwdbwd", "triton_useful_tflops_fwdbwd", "flex_useful_tflops_fwdbwd"]
+    print({key: run.summary.get(key) for key in [*headline_keys, "correctness_all_passed", "long_check_passed"]})
+    print(f"best Triton config: {run.summary.get('best_triton_config')}")
+    print(f"errors: {len(run.errors)} (see {run.out_dir / (NAME + '.json')})")
+
+
+if __name__ == "__main__":
+    main()
