@@ -40,11 +40,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-_ROOT = Path(__file__).resolve().parents[1]
-for _package in ("arctic-dedup", "arctic-zorro-train"):
-    _source = _ROOT / "packages" / _package / "src"
-    if str(_source) not in sys.path:
-        sys.path.insert(1, str(_source))
+try:
+    import arctic_zorro_train  # noqa: F401
+except ImportError:
+    sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "packages" / "arctic-dedup" / "src"))
+    sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "packages" / "arctic-zorro-train" / "src"))
 
 from common import default_out_dir, print_table, run_metadata
 
@@ -55,7 +55,7 @@ PEAK_TFLOPS = 775.0
 NAME = "zorro_train"
 SECTIONS = ("dense", "ragged", "hybrid", "memory", "sweep")
 
-QWEN3_4B = {
+QWEN3_4B: dict[str, Any] = {
     "num_hidden_layers": 36,
     "hidden_size": 2560,
     "num_attention_heads": 32,
@@ -67,7 +67,7 @@ QWEN3_4B = {
     "tie_word_embeddings": True,
 }
 # A Qwen3.5-like hybrid of about the same size: 24 Gated DeltaNet + 8 gated full-attention layers.
-HYBRID = {
+HYBRID: dict[str, Any] = {
     "num_hidden_layers": 32,
     "hidden_size": 2560,
     "num_attention_heads": 16,
@@ -83,7 +83,7 @@ HYBRID = {
     "linear_conv_kernel_dim": 4,
     "tie_word_embeddings": True,
 }
-TINY = {
+TINY: dict[str, Any] = {
     "num_hidden_layers": 2,
     "hidden_size": 64,
     "num_attention_heads": 4,
@@ -118,7 +118,7 @@ class Options:
 def build_model(kind: str, options: Options, num_layers: int | None = None) -> Any:
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
 
-    shape = dict(TINY if options.smoke else (HYBRID if kind == "hybrid" else QWEN3_4B))
+    shape: dict[str, Any] = dict(TINY if options.smoke else (HYBRID if kind == "hybrid" else QWEN3_4B))
     if num_layers is not None:
         shape["num_hidden_layers"] = num_layers
     if kind == "hybrid":
@@ -312,7 +312,12 @@ def compare(
         "token_bound": cost.token_bound,
     }
     variants: list[tuple[str, str, Callable[[], None], float]] = [
-        ("baseline", options.baseline_backend, baseline_step(model, batch, options.baseline_backend, 1), cost.flops_base)
+        (
+            "baseline",
+            options.baseline_backend,
+            baseline_step(model, batch, options.baseline_backend, 1),
+            cost.flops_base,
+        )
     ]
     if with_hf_baseline:
         variants.append(("baseline", "hf_sdpa", hf_sdpa_step(model, batch), cost.flops_base))
@@ -396,8 +401,6 @@ def section_dense(options: Options, ragged: bool) -> list[dict[str, Any]]:
         lengths = [512 if not options.smoke else 8] * group
     name = "ragged" if ragged else "dense"
     rows = _with_recompute_fallback(lambda _: compare(name, model, [prompt], [lengths], options), model)
-    del model
-    release(options.device)
     return rows
 
 
@@ -412,8 +415,6 @@ def section_hybrid(options: Options) -> list[dict[str, Any]]:
     )
     fla = importlib.util.find_spec("fla") is not None
     rows = [dict(row, gated_delta_kernel="fla" if fla and options.device.type == "cuda" else "torch") for row in rows]
-    del model
-    release(options.device)
     return rows
 
 
@@ -493,8 +494,6 @@ def section_memory(options: Options) -> list[dict[str, Any]]:
             rows.append(row)
             release(options.device)
     model.gradient_checkpointing_disable()
-    del model
-    release(options.device)
     return rows
 
 
@@ -545,8 +544,6 @@ def section_sweep(options: Options) -> list[dict[str, Any]]:
             batch_rows.append(row)
             release(options.device)
         rows.extend(batch_rows)
-    del model
-    release(options.device)
     return rows
 
 
@@ -580,8 +577,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [row["memory_ratio"] for row in rows if row.get("section") == "memory" and "memory_ratio" in row]
     if ratios:
         summary["memory_ratio"] = min(ratios)
-    maxima = {row["run"]: row.get("verified") for row in rows if str(row.get("run", "")).startswith("max_group_")}
-    if maxima.get("max_group_baseline") and maxima.get("max_group_dedup"):
+    maxima: dict[str, int] = {
+        row["run"]: row["verified"]
+        for row in rows
+        if str(row.get("run", "")).startswith("max_group_") and row.get("verified")
+    }
+    if "max_group_baseline" in maxima and "max_group_dedup" in maxima:
         summary["max_group_baseline"] = maxima["max_group_baseline"]
         summary["max_group_dedup"] = maxima["max_group_dedup"]
         summary["max_group_ratio"] = maxima["max_group_dedup"] / maxima["max_group_baseline"]
@@ -596,7 +597,9 @@ def _summary_row(rows: list[dict[str, Any]], section: str) -> dict[str, Any] | N
 
 
 def _best_seconds(rows: list[dict[str, Any]], section: str, run: str) -> float:
-    timed = [row["seconds"] for row in rows if row.get("section") == section and row.get("run") == run and "seconds" in row]
+    timed = [
+        row["seconds"] for row in rows if row.get("section") == section and row.get("run") == run and "seconds" in row
+    ]
     return min(timed) if timed else float("nan")
 
 
@@ -612,10 +615,10 @@ def merge_previous(path: Path, rows: list[dict[str, Any]], sections: Sequence[st
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # type: ignore[import-not-found]
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found]
 
     rows = [row for row in results["rows"] if row.get("section") == "sweep" and "speedup" in row]
     figure, axis = plt.subplots(figsize=(7, 4.5))
@@ -673,9 +676,14 @@ def main() -> int:
             rows.extend(runners[section]())
         except Exception as error:  # a failed section is recorded, the others still run
             rows.append(
-                {"section": section, "run": "error", "error": f"{type(error).__name__}: {error}"[:500],
-                 "traceback": traceback.format_exc()[-3000:]}
+                {
+                    "section": section,
+                    "run": "error",
+                    "error": f"{type(error).__name__}: {error}"[:500],
+                    "traceback": traceback.format_exc()[-3000:],
+                }
             )
+        release(device)
         print(f"[{section}] {time.perf_counter() - began:.0f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{NAME}.json"
