@@ -55,41 +55,51 @@ def _compile(kernel: object, constants: dict[str, object], num_warps: int, num_s
 
 
 COMMON = {"G": 4, "QMAX": 1, "PAGE": 16, "HEAD_DIM": 128, "UPCAST": False, "DOT_PRECISION": "tf32"}
+ATTENTION = {
+    "OWNERS_BLOCK": 256,
+    "PREFIX_BLOCK_M": 64,
+    "SUFFIX_BLOCK_M": 16,
+    "ROWS": 4,
+    "PREFIX_BLOCK_N": 32,
+    "SUFFIX_BLOCK_N": 32,
+    **COMMON,
+}
+# Hopper: 228 KB of shared memory per multiprocessor, 227 KB per program, 1 KB of it reserved per program.
+SHARED_PER_SM = 228 * 1024
+
+
+def compile_attention(has_prefix: bool, num_warps: int = 4, num_stages: int = 3, **overrides: object) -> object:
+    from arctic_dedup.forest import _kernels
+
+    return _compile(
+        _kernels.forest_attention_kernel, {**ATTENTION, "HAS_PREFIX": has_prefix, **overrides}, num_warps, num_stages
+    )
 
 
 def _compile_all() -> None:
     from arctic_dedup.forest import _kernels
 
-    prefix = _compile(
-        _kernels.prefix_attention_kernel,
-        {"NUM_TILES": 128, "SEARCH_STEPS": 9, "MEMBERS": 16, "BLOCK_M": 64, "BLOCK_N": 64, **COMMON},
-        4,
-        2,
-    )
-    suffix = _compile(
-        _kernels.suffix_attention_kernel,
-        {"NUM_REQUESTS": 128, "SEARCH_STEPS": 9, "BLOCK_M": 16, "BLOCK_N": 64, **COMMON},
-        4,
-        2,
-    )
+    forest = compile_attention(True)
+    paged = compile_attention(False, SUFFIX_BLOCK_N=64)
+    for kernel in (_kernels.plan_count_kernel, _kernels.plan_cut_kernel):
+        _compile(kernel, {"BLOCK_E": 1024}, 4, 1)
+    _compile(_kernels.plan_group_kernel, {"MEMBERS": 16, "BLOCK_R": 128, "BLOCK_E": 1024}, 4, 1)
+    _compile(_kernels.plan_paged_kernel, {"BLOCK_R": 128}, 4, 1)
     _compile(
-        _kernels.combine_kernel,
-        {
-            "HAS_PREFIX": True,
-            "G": 4,
-            "QMAX": 1,
-            "PREFIX_BLOCK_M": 64,
-            "SUFFIX_BLOCK_M": 16,
-            "BLOCK_R": 16,
-            "HEAD_DIM": 128,
-        },
+        _kernels.forest_combine_kernel,
+        {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 16, "HEAD_DIM": 128},
         4,
         1,
     )
-    # The prefix pass must run on Hopper's warpgroup tensor cores and every pass must load 16 bytes at a time.
-    assert "wgmma" in prefix.asm["ptx"]  # type: ignore[attr-defined]
-    for compiled in (prefix, suffix):
+    # Prefix tiles run on Hopper's warpgroup tensor cores; every pass loads 16 bytes at a time.
+    assert "wgmma" in forest.asm["ptx"]  # type: ignore[attr-defined]
+    for compiled in (forest, paged):
         assert ".v4.b32" in compiled.asm["ptx"]  # type: ignore[attr-defined]
+        # Three programs per multiprocessor (the default configs), so prefix and suffix items stream side by side;
+        # more than one shared-memory buffer per operand means Triton prefetches K/V ahead of use.
+        shared = compiled.metadata.shared  # type: ignore[attr-defined]
+        assert 3 * (shared + 1024) <= SHARED_PER_SM, shared
+    assert paged.metadata.shared > 2 * 64 * 128 * 2 * 2  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow

@@ -6,9 +6,10 @@ table. Its attention implementation runs ``forest_decode`` when a plan is presen
 otherwise, so prefills, mixed and ineligible steps are exactly vLLM's standard attention. The KV cache is written by
 the standard ``do_kv_cache_update`` before ``forward`` runs (these backends do not fuse the update into forward).
 
-On CUDA the plan is built on the device without waiting for it; a step where grouping finds nothing runs arctic's
-per-request paged decode kernel (the same kernels with no groups). On CPU the plan is read on the host (free there)
-and such a step goes to CPU_ATTN.
+On CUDA the plan is built once per step by the metadata builder (three small launches over the block table with a
+workspace kept by the planner, never waiting for the device) and read by every layer; a step where grouping finds
+nothing runs each request as one work item of the same attention kernel, i.e. arctic's per-request paged decode.
+On CPU the plan is read on the host (free there) and such a step goes to CPU_ATTN.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from arctic_dedup.forest import ForestPlan, forest_decode, plan_forest
+from arctic_dedup.forest import ForestPlan, ForestWorkspace, forest_decode, plan_forest
 from arctic_fca.config import FcaConfig, is_active
 from arctic_fca.stats import record_standard_step, record_step
 
@@ -86,6 +87,7 @@ class ForestPlanner:
         self.vllm_config = vllm_config
         self.on_cpu = on_cpu
         self._layers: dict[str, Any] | None = None
+        self._workspace: ForestWorkspace | None = None
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def _attention_layers(self) -> dict[str, Any]:
@@ -120,6 +122,13 @@ class ForestPlanner:
             record_standard_step()
             return None
         _, num_heads, num_cache_blocks = facts
+        table = metadata.block_table_tensor
+        workspace = None
+        if not self.on_cpu:
+            # The group finder's scratch is zero after every plan: one per KV cache, reused every step.
+            workspace = self._workspace
+            if workspace is None or workspace.num_cache_blocks != num_cache_blocks or workspace.device != table.device:
+                workspace = self._workspace = ForestWorkspace(num_cache_blocks, table.device)
         plan = plan_forest(
             metadata.block_table_tensor[:num_requests],
             metadata.seq_lens[:num_requests],
@@ -130,6 +139,7 @@ class ForestPlanner:
             queries_per_kv=num_heads // self.num_kv_heads,
             num_kv_heads=self.num_kv_heads,
             grouping=self.grouping,
+            workspace=workspace,
         )
         if self.on_cpu:
             groups = int(plan.num_groups.item())

@@ -432,10 +432,17 @@ def _attend_block(
 ):
     dims = tl.arange(0, HEAD_DIM)
     dim_ok = dims < head_dim
+    # Block ids are loaded one step ahead: a K/V address that depends on a load of the same step stops Triton's
+    # pipeliner from prefetching K/V (one tile in flight per program instead of num_stages - 1; seen in the sm_90
+    # shared-memory size), so the ids arrive through the loop instead.
+    next_tokens = token_start + tl.arange(0, BLOCK_N)
+    next_pages = tl.load(block_row_ptr + next_tokens // PAGE, mask=next_tokens < token_end, other=0)
     for token_base in range(token_start, token_end, BLOCK_N):
         tokens = token_base + tl.arange(0, BLOCK_N)
         token_ok = tokens < token_end
-        pages = tl.load(block_row_ptr + tokens // PAGE, mask=token_ok, other=0).to(tl.int64)
+        pages = next_pages.to(tl.int64)
+        next_tokens = tokens + BLOCK_N
+        next_pages = tl.load(block_row_ptr + next_tokens // PAGE, mask=next_tokens < token_end, other=0)
         within = (tokens % PAGE).to(tl.int64)
         k_rows = pages * stride_k_block + within * stride_k_token + kv_head * stride_k_head
         v_rows = pages * stride_v_block + within * stride_v_token + kv_head * stride_v_head

@@ -71,11 +71,11 @@ class ForestKernelConfig:
     """
 
     prefix_block_m: int = 64
-    prefix_block_n: int = 64
-    suffix_block_n: int = 64
+    prefix_block_n: int = 32
+    suffix_block_n: int = 32
     num_warps: int = 4
     num_stages: int = 3
-    prefix_waves: float = 1.0
+    prefix_waves: float = 2.0
     waves: float = 2.0
     split_granularity: int = 128
     multiprocessors: int | None = None
