@@ -62,12 +62,12 @@ from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
 
 LAYERS = 36
 L2_BYTES = 50 * 2**20
-# (num_warps, num_stages, prefix_block_n, suffix_block_n) of the forest kernel; all keep two programs per SM.
-FOREST_CANDIDATES = [(4, 3, 32, 32), (4, 3, 32, 64), (4, 4, 32, 32), (4, 2, 64, 64), (4, 3, 64, 32)]
+# (num_warps, num_stages, prefix_block_n, suffix_block_n) of the forest kernel; 2 or 3 programs per SM (sm_90 report).
+FOREST_CANDIDATES = [(4, 3, 32, 32), (4, 3, 32, 64), (4, 4, 32, 64), (4, 4, 32, 32), (4, 2, 32, 64)]
 # (num_warps, num_stages, suffix_block_n) of the per-request kernel.
-PAGED_CANDIDATES = [(4, 3, 64), (4, 3, 32), (4, 4, 32), (4, 2, 64), (4, 4, 64), (8, 3, 64)]
+PAGED_CANDIDATES = [(4, 3, 64), (4, 4, 64), (4, 3, 32), (4, 4, 32), (4, 2, 64), (8, 3, 64)]
 # (prefix_waves, waves)
-WAVES = [(1.0, 2.0), (2.0, 2.0), (4.0, 2.0), (2.0, 4.0), (4.0, 4.0)]
+WAVES = [(1.0, 1.0), (1.0, 2.0), (2.0, 2.0), (4.0, 2.0), (2.0, 4.0)]
 
 
 @dataclass(frozen=True)

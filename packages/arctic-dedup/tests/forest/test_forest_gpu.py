@@ -9,6 +9,7 @@ import torch
 
 from arctic_dedup.forest import (
     ForestKernelConfig,
+    ForestWorkspace,
     forest_decode,
     paged_decode,
     plan_forest,
@@ -194,3 +195,67 @@ def test_plan_and_decode_capture_in_a_cuda_graph() -> None:
         batch.query, batch.key_cache, batch.value_cache, table, seq_lens, batch.query_start_loc, 0.1
     )
     assert ((out.float().cpu() - ref_out).norm() / ref_out.norm()).item() < 1.5e-2
+
+
+def _torch_twin(
+    table: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor, num_blocks: int
+) -> tuple[list, list]:
+    plan = plan_forest(
+        table.cpu(),
+        seq_lens.cpu(),
+        starts.cpu(),
+        block_size=16,
+        num_cache_blocks=num_blocks,
+        max_query_len=1,
+        queries_per_kv=4,
+        num_kv_heads=2,
+        backend="torch",
+    )
+    return plan.group_leader.tolist(), plan.prefix_blocks.tolist()
+
+
+def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
+    # Many concurrent programs race on the histogram, the leader slots and the ticket; every replay must leave the
+    # workspace zero for the next one.
+    rng = random.Random(9)
+    prefix_lens = [rng.randint(17, 900) for _ in range(12)]
+    suffix_lens = [[rng.randint(0, 200) for _ in range(rng.randint(1, 24))] for _ in prefix_lens]
+    batch = make_decode_batch(prefix_lens, suffix_lens, root_blocks=1, device="cuda", shuffle=True, seed=9)
+    num_blocks = batch.key_cache.shape[0]
+    workspace = ForestWorkspace(num_blocks, "cuda")
+    table, seq_lens = batch.block_table.clone(), batch.seq_lens.clone()
+    plans = []
+
+    def step() -> None:
+        plans.append(
+            plan_forest(
+                table,
+                seq_lens,
+                batch.query_start_loc,
+                block_size=16,
+                num_cache_blocks=num_blocks,
+                max_query_len=1,
+                queries_per_kv=4,
+                num_kv_heads=2,
+                workspace=workspace,
+            )
+        )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    captured = plans[-1]
+    for seed in range(4):
+        order = torch.randperm(table.shape[0], generator=torch.Generator().manual_seed(seed)).cuda()
+        table.copy_(batch.block_table[order])
+        seq_lens.copy_(batch.seq_lens[order])
+        graph.replay()
+        torch.cuda.synchronize()
+        twin = _torch_twin(table, seq_lens, batch.query_start_loc, num_blocks)
+        assert (captured.group_leader.tolist(), captured.prefix_blocks.tolist()) == twin
+        assert not workspace.counts.any() and not workspace.leader_slots.any() and not workspace.ticket.any()
