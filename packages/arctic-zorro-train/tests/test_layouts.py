@@ -30,6 +30,7 @@ LAYOUTS: dict[str, list[Sample]] = {
         Sample([7, 8], [9]),
         Sample([3], [6]),
     ],
+    "empty_responses": [Sample([1, 2, 3], [4, 5]), Sample([1, 2, 3], []), Sample([6], []), Sample([6], [7])],
     "ragged_long_short": [
         Sample(list(range(1, 20)), [30]),
         Sample(list(range(1, 20)), list(range(40, 52))),

@@ -184,6 +184,10 @@ def token_logprobs(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     head = _head_fn(lm_head, fp32_logits)
+    if hidden.shape[0] == 0:
+        # No response tokens at all: keep the graph connected so backward() still works.
+        empty = hidden.sum(dim=-1).float()
+        return TokenLogprobs(logprobs=empty, entropy=empty.clone() if calculate_entropy else None, logits=None)
     if mode == "memory" and _is_zero3_sharded(lm_head):
         logprobs, entropy = _checkpointed_chunks(hidden, labels, head, temperature, chunk_size, calculate_entropy)
         return TokenLogprobs(logprobs=logprobs, entropy=entropy, logits=None)
