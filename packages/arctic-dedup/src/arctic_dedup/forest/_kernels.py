@@ -285,19 +285,15 @@ def plan_group_kernel(
     row = block_table_ptr + request.to(tl.int64) * stride_table_row
     leader_row = block_table_ptr + leader.to(tl.int64) * stride_table_row
     common = limit
-    for start in range(0, limit, BLOCK_E):
-        depth = start + tl.arange(0, BLOCK_E)
-        valid = depth < limit
-        ids = tl.load(row + depth, mask=valid, other=-1)
-        leader_ids = tl.load(leader_row + depth, mask=valid, other=-1)
-        same = (ids == leader_ids) & (ids >= 0) & (ids < num_cache_blocks)
-        common = tl.minimum(common, tl.min(tl.where(valid & ~same, depth, limit), 0))
-    # The cut pass (the only reader of the histogram) has finished: clear this row's entries for the next step.
     for start in range(0, eligible, BLOCK_E):
         depth = start + tl.arange(0, BLOCK_E)
         valid = depth < eligible
         ids = tl.load(row + depth, mask=valid, other=-1)
         known = valid & (ids >= 0) & (ids < num_cache_blocks)
+        compared = depth < limit
+        leader_ids = tl.load(leader_row + depth, mask=compared, other=-1)
+        common = tl.minimum(common, tl.min(tl.where(compared & ~(known & (ids == leader_ids)), depth, limit), 0))
+        # The cut pass (the only reader of the histogram) has finished: clear this row's entries for the next step.
         tl.store(counts_ptr + ids, 0, mask=known)
     # Scalar atomics run on one thread in program order, so the acq_rel ticket below publishes all four.
     tl.atomic_min(group_min_ptr + leader, common, mask=candidate, sem="relaxed")
