@@ -302,6 +302,11 @@ def plan_group_kernel(
     tl.atomic_xchg(rank_of_ptr + request, tl.where(candidate, rank, -1), sem="relaxed")
     arrived = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if arrived == num_requests - 1:
+        # Every program has read its leader slot before taking its ticket: clear the claimed slots (issued first so
+        # the key loads overlap the finishing step's), the ticket last.
+        requests = tl.arange(0, BLOCK_R)
+        keys = tl.load(cut_key_ptr + requests, mask=requests < num_requests, other=-1)
+        tl.store(leader_slot_ptr + keys, 0, mask=keys >= 0)
         _finish_plan(
             seq_lens_ptr,
             leader_of_ptr,
@@ -335,10 +340,6 @@ def plan_group_kernel(
             MEMBERS,
             BLOCK_R,
         )
-        # Every program has read its leader slot before taking its ticket: clear the claimed slots, then the ticket.
-        requests = tl.arange(0, BLOCK_R)
-        keys = tl.load(cut_key_ptr + requests, mask=requests < num_requests, other=-1)
-        tl.store(leader_slot_ptr + keys, 0, mask=keys >= 0)
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
 
 
