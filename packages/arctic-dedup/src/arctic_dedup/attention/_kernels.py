@@ -106,8 +106,11 @@ def _forward_blocks(
             visible = _tree_mask(offs_m, offs_n, until_ptr, pos_ptr, pos_m, num_tokens, window, WINDOW)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # Only in a partial tile can a row have seen no visible key yet (m = -inf): shift it by 0 so exp2 gives 0,
+        # not NaN. In a full tile every element is visible and every row maximum is finite.
+        m_shift = m_new
+        if MASKED:
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
