@@ -135,26 +135,29 @@ def gpu_tests(session: nox.Session) -> None:
     out_dir = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONPATH": _workspace_pythonpath(), "ARCTIC_GPU_TESTS": "1", "TRITON_INTERPRET": "0"}
-    test_dirs = [str(ROOT / "packages" / name / "tests") for name in ("arctic-dedup", "arctic-zorro-train")]
-    junit = out_dir / "gpu_tests_junit.xml"
     started = time.time()
-    session.run(
-        sys.executable,
-        "-m",
-        "pytest",
-        *test_dirs,
-        "-m",
-        "gpu",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--junitxml={junit}",
-        "-rs",
-        *session.posargs,
-        env=env,
-    )
+    summaries = []
+    # One pytest run per package: test modules of different packages share basenames (test_public_api.py).
+    for name in ("arctic-dedup", "arctic-zorro-train"):
+        junit = out_dir / f"gpu_tests_{name}.xml"
+        session.run(
+            sys.executable,
+            "-m",
+            "pytest",
+            str(ROOT / "packages" / name / "tests"),
+            "-m",
+            "gpu",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            "-rs",
+            *session.posargs,
+            env=env,
+        )
+        summaries.append(_summarize_junit(junit))
     session.run(sys.executable, str(ROOT / "benchmarks" / "pack_unpack.py"), "--quick", "--out", str(out_dir), env=env)
-    summary = _summarize_junit(junit)
+    summary: dict[str, object] = {key: sum(int(part[key]) for part in summaries) for key in summaries[0]}
     summary.update(
         {
             "seconds": round(time.time() - started, 1),
@@ -168,7 +171,7 @@ def gpu_tests(session: nox.Session) -> None:
     session.log(json.dumps(summary))
 
 
-def _summarize_junit(path: Path) -> dict[str, object]:
+def _summarize_junit(path: Path) -> dict[str, int]:
     import xml.etree.ElementTree as ElementTree
 
     root = ElementTree.parse(path).getroot()
