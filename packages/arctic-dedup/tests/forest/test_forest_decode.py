@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
+from arctic_dedup._triton_support import Backend
 from arctic_dedup.errors import PlanError
 from arctic_dedup.forest import (
     ForestGrouping,
@@ -192,3 +195,24 @@ def test_mismatched_plan_is_rejected() -> None:
         forest_decode(batch.query[:, :2], batch.key_cache, batch.value_cache, plan, 0.2)
     with pytest.raises(PlanError, match="dtype"):
         forest_decode(batch.query.double(), batch.key_cache, batch.value_cache, plan, 0.2)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_many_splits_merge_in_chunks(backend: Backend) -> None:
+    # Tiny splits give each request dozens of partials, more than one combine chunk holds.
+    batch = make_decode_batch([900, 300], [[40, 0, 7], [300, 2]], queries_per_kv=2, seed=15)
+    config = ForestKernelConfig(
+        prefix_block_m=16,
+        prefix_block_n=16,
+        suffix_block_n=16,
+        split_granularity=16,
+        multiprocessors=64,
+        prefix_waves=4.0,
+        waves=4.0,
+    )
+    plan = _plan(batch, 2, config=config)
+    work = plan.work_start.tolist()
+    assert max(b - a for a, b in itertools.pairwise(work)) > 16
+    out, lse = _poisoned(batch)
+    forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.2, out=out, lse=lse, backend=backend)
+    _assert_close(out, lse, _reference(batch, 0.2), 1e-5)
