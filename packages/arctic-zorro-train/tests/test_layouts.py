@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zorro_cases import Sample, compare_with_reference, fresh_model, make_batch
 
-from arctic_zorro_train import DeduplicatedActor, plan_batch
+from arctic_dedup import SampleLayout, build_plan_from_layout
+from arctic_zorro_train import DeduplicatedActor, apply_zorro, plan_batch, zorro_forward
+from arctic_zorro_train.testing import per_sample_reference
 
 SYSTEM = [5, 6, 7, 8]
 
@@ -119,3 +121,20 @@ def test_random_layouts(family: str, sharing: str, layout: tuple[list[Sample], i
     samples, prompt_padding, response_padding = layout
     batch = make_batch(samples, extra_prompt_padding=prompt_padding, extra_response_padding=response_padding)
     compare_with_reference(fresh_model(family), family, batch, sharing=sharing)
+
+
+@pytest.mark.parametrize("use_split_attention", [True, False])
+def test_plan_of_an_unpadded_batch(use_split_attention: bool) -> None:
+    samples = LAYOUTS["non_contiguous_groups"]
+    batch = make_batch(samples)
+    ids = torch.tensor([token for s in samples for token in [*s.prompt, *s.response]])
+    layout = SampleLayout.from_unpadded(
+        ids, torch.tensor([len(s.prompt) for s in samples]), torch.tensor([len(s.response) for s in samples])
+    )
+    plan = build_plan_from_layout(layout, sharing="trie")
+    model = fresh_model("qwen3")
+    with torch.no_grad():
+        expected = per_sample_reference(model, batch, batch["responses"].shape[1])
+        apply_zorro(model, patch_forward=False, use_split_attention=use_split_attention)
+        output = zorro_forward(model, plan, calculate_entropy=True)
+    assert float((output.logprobs - expected.logprobs).abs().max()) <= 1e-5

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arctic_dedup import gather_rows
-from arctic_zorro_train.context import CONTEXT_KWARG, ReconstructMaps, ZorroContext
+from arctic_dedup import gather_rows, pack, unpack
+from arctic_zorro_train.context import CONTEXT_KWARG, ZorroContext
 
 __all__ = [
     "ZORRO_ATTENTION",
@@ -97,7 +97,7 @@ def reconstruct_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    maps: ReconstructMaps,
+    context: ZorroContext,
     *,
     scale: float | None,
     sliding_window: int | None,
@@ -105,18 +105,24 @@ def reconstruct_attention(
 ) -> torch.Tensor:
     """The slower exact alternative: unpack q/k/v per sample, causal attention per sample, pack back.
 
-    ``[T, H, D]`` in and out. Padded query rows attend to themselves only, so nothing is NaN anywhere.
+    ``[T, H, D]`` in and out. Padding query rows attend to themselves only, so nothing is NaN anywhere.
     """
+    maps = context.reconstruct
+    if maps is None:
+        raise RuntimeError("this layer runs reconstruct-then-attend but the context has no reconstruct maps.")
     num_tokens, num_q_heads, head_dim = query.shape
-    batch, width = maps.num_samples, maps.width
+    batch, width = maps.valid.shape
 
     def per_sample(x: torch.Tensor) -> torch.Tensor:
-        rows = gather_rows(x.reshape(num_tokens, -1), maps.to_samples)
-        return rows.view(batch, width, x.shape[1], x.shape[2]).transpose(1, 2)
+        if maps.to_samples is None:
+            rows = unpack(x, context.plan, padded=True)
+        else:
+            rows = gather_rows(x.reshape(num_tokens, -1), maps.to_samples).view(batch, width, *x.shape[1:])
+        return rows.transpose(1, 2)
 
     q, k, v = per_sample(query), per_sample(key), per_sample(value)
     position = torch.arange(width, device=query.device)
-    visible = (position[None, :] <= position[:, None]) & (position[None, None, :] < maps.lengths[:, None, None])
+    visible = (position[None, :] <= position[:, None]) & maps.valid[:, None, :]
     if sliding_window is not None:
         visible = visible & (position[:, None] - position[None, :] < sliding_window)
     visible = visible | torch.eye(width, dtype=torch.bool, device=query.device)
@@ -130,8 +136,10 @@ def reconstruct_attention(
         scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
-    out = out.transpose(1, 2).reshape(batch * width, -1)
-    return gather_rows(out, maps.to_packed).view(num_tokens, num_q_heads, head_dim)
+    out = out.transpose(1, 2)
+    if maps.to_packed is None:
+        return pack(out, context.plan, padded=True)
+    return gather_rows(out.reshape(batch * width, -1), maps.to_packed).view(num_tokens, num_q_heads, head_dim)
 
 
 def zorro_attention(
@@ -166,9 +174,7 @@ def zorro_attention(
     if getattr(view, "zorro_use_split_attention", True):
         out = _tree_attention(q, k, v, context, **options)
     else:
-        if context.reconstruct is None:
-            raise RuntimeError("this layer runs reconstruct-then-attend but the context has no reconstruct maps.")
-        out = reconstruct_attention(q, k, v, context.reconstruct, **options)
+        out = reconstruct_attention(q, k, v, context, **options)
     return out.unsqueeze(0), None
 
 

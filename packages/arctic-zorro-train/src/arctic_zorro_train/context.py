@@ -22,21 +22,24 @@ CONTEXT_KWARG = "arctic_zorro_context"
 
 @dataclass(frozen=True)
 class ReconstructMaps:
-    """For the reconstruct-then-attend mode: packed ``[T]`` <-> per-sample right-padded ``[B * L]`` rows.
+    """For the reconstruct-then-attend mode: where every sample's tokens sit in a ``[B, W]`` grid.
 
-    to_samples gathers packed rows into ``[B * L]`` (-1 at padding); to_packed takes each packed token from the
-    first sample containing it; lengths ``[B]`` are the samples' valid lengths.
+    valid ``[B, W]`` marks real tokens (each sample's tokens are contiguous and in order in its row). For plans of
+    padded batches the grid is the batch's own padded layout, reached with ``arctic_dedup.unpack(padded=True)`` and
+    ``arctic_dedup.pack`` (``to_samples`` / ``to_packed`` are None); for unpadded plans the rows are right-padded
+    and these two maps go packed -> ``[B * W]`` and back (each packed token from the first sample containing it).
     """
 
-    to_samples: IndexMap
-    to_packed: IndexMap
-    lengths: torch.Tensor
-    num_samples: int
-    width: int
+    valid: torch.Tensor
+    to_samples: IndexMap | None
+    to_packed: IndexMap | None
 
 
 def build_reconstruct_maps(plan: Plan) -> ReconstructMaps:
     layout = plan.layout
+    if plan.unpack_padded_map is not None and layout.padded_shape is not None:
+        valid = (plan.unpack_padded_map.gather_index >= 0).view(*layout.padded_shape)
+        return ReconstructMaps(valid=valid, to_samples=None, to_packed=None)
     lengths = layout.sample_lengths
     width = int(lengths.max())
     token_sample = layout.token_sample()
@@ -44,11 +47,9 @@ def build_reconstruct_maps(plan: Plan) -> ReconstructMaps:
     gather = torch.full((layout.num_samples * width,), -1, dtype=torch.long, device=plan.device)
     gather[slot] = plan.sample_packed_index
     return ReconstructMaps(
+        valid=(gather >= 0).view(layout.num_samples, width),
         to_samples=IndexMap.build(gather, plan.num_packed_tokens),
         to_packed=IndexMap.build(slot[plan.pack_map.gather_index], layout.num_samples * width),
-        lengths=lengths,
-        num_samples=layout.num_samples,
-        width=width,
     )
 
 
