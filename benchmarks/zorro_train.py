@@ -16,7 +16,8 @@ Sections (pick with --sections; each fits one 10-minute device call, ``all`` doe
   ragged   the same with R uniform in 128..1024                              (~3 min)
   hybrid   Qwen3.5-like hybrid (3 Gated DeltaNet layers per full attention)  (~3 min; needs fla-core wheels)
   memory   peak memory at equal G (full recompute), max responses per prompt (~4 min)
-  sweep    1/2/4/16 unique prompts in 16 samples, P from 512 to 32K        (~5 min; 8 of the 36 layers)
+  sweep    1/2/4/16 unique prompts in 16 samples, P from 512 to 32K        (~5 min; 8 of the 36 layers;
+           one prompt group per dedup micro-batch, one sample per baseline micro-batch)
 
 Run on the H200:  python benchmarks/zorro_train.py --sections dense ragged
 Plot elsewhere:   python benchmarks/zorro_train.py --plot-from benchmarks/results/zorro_train.json
@@ -189,14 +190,21 @@ def _loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], scale: float) 
     return loss * scale
 
 
-def dedup_step(model: Any, batch: dict[str, torch.Tensor], backend: str) -> Callable[[], None]:
+def dedup_step(
+    model: Any, batch: dict[str, torch.Tensor], backend: str, groups: Sequence[Sequence[int]] | None = None
+) -> Callable[[], None]:
+    """Deduplicated: one packed stream per micro-batch; ``groups`` (rows per micro-batch, whole prompt groups)
+    defaults to the whole batch in one micro-batch."""
     width = batch["responses"].shape[1]
+    total = float(batch["response_mask"].sum())
+    micro_batches = [batch] if groups is None else [select_samples(batch, rows) for rows in groups]
 
     def step() -> None:
         apply_zorro(model, patch_forward=False, attention_backend=backend, logits_mode="memory", logits_chunk_size=2048)
-        plan = plan_batch(batch["input_ids"], width, batch["attention_mask"], batch["position_ids"])
-        output = zorro_forward(model, plan)
-        _loss(output.logprobs, batch, 1.0).backward()
+        for micro in micro_batches:
+            plan = plan_batch(micro["input_ids"], width, micro["attention_mask"], micro["position_ids"])
+            output = zorro_forward(model, plan)
+            _loss(output.logprobs, micro, float(micro["response_mask"].sum()) / total).backward()
 
     return step
 
@@ -531,7 +539,9 @@ def section_sweep(options: Options) -> list[dict[str, Any]]:
                 if unique == uniques[0]:
                     base = time_step(baseline_step(model, batch, options.baseline_backend, 1), model, options)
                     baseline_seconds = base["seconds"]
-                measured = time_step(dedup_step(model, batch, options.dedup_backends[0]), model, options)
+                # One prompt group per micro-batch (never split): the non-shared case then equals the baseline.
+                groups = [list(range(u * per_prompt, (u + 1) * per_prompt)) for u in range(unique)]
+                measured = time_step(dedup_step(model, batch, options.dedup_backends[0], groups), model, options)
                 row.update(measured)
                 # Every sweep batch has the same samples count and lengths, so one baseline serves all.
                 row["baseline_seconds"] = baseline_seconds
