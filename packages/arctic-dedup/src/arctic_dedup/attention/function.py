@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from arctic_dedup.attention._launch import TritonConfig, default_triton_config, launch_backward, launch_forward
 
@@ -40,6 +41,7 @@ class TreeAttentionFunction(torch.autograd.Function):
         return out, lse.t().contiguous()
 
     @staticmethod
+    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
@@ -84,6 +85,7 @@ class _TorchFlash:
         return result[0], result[1], (result[2], result[3])
 
     @staticmethod
+    @once_differentiable
     def backward(
         grad_out: torch.Tensor,
         q: torch.Tensor,
@@ -245,6 +247,7 @@ class _VarlenTreeAttention(torch.autograd.Function):
         return result, total
 
     @staticmethod
+    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
