@@ -262,3 +262,18 @@ def test_plan_builds_without_host_reads_under_inference_mode() -> None:
     with torch.inference_mode():
         plan = _plan(batch)
     assert plan.prefix_blocks.device == batch.block_table.device
+
+
+def test_int64_tables_and_lengths_plan_the_same() -> None:
+    batch = _random_batch(21)
+    wide = DecodeBatch(
+        **{
+            **vars(batch),
+            "block_table": batch.block_table.long(),
+            "seq_lens": batch.seq_lens.long(),
+            "query_start_loc": batch.query_start_loc.long(),
+        }
+    )
+    narrow_plan, wide_plan = _plan(batch, backend="triton"), _plan(wide, backend="triton")
+    for name in ("group_leader", "prefix_blocks", "work_start", "split_tokens"):
+        assert torch.equal(getattr(narrow_plan, name), getattr(wide_plan, name)), name

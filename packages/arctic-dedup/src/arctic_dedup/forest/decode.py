@@ -104,11 +104,13 @@ def forest_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged KV cache that reads each group's shared prefix once (forest cascade attention).
 
-    Three passes, all sized on the device so the call never synchronizes and can be captured in a CUDA graph:
-    a prefix pass (one program per split of a group tile's prefix and KV head; the GQA query heads of up to
-    ``plan.members_per_tile`` requests form the rows of one tensor-core matrix), a suffix pass (each request's own
-    tokens after its group's prefix, causal within its query tokens), and a log-sum-exp merge. Requests in no group
-    read their whole context in the suffix pass, so a batch with no sharing runs exactly ``paged_decode``.
+    Two launches, sized on the device so the call never synchronizes and can be captured in a CUDA graph. The
+    attention launch runs one program per (work item, kv head): prefix items first (a split of a group tile's shared
+    prefix; the GQA query heads of up to ``plan.members_per_tile`` requests form the rows of one tensor-core matrix),
+    then suffix items (a split of one request's own tokens after its group's prefix, causal within its query tokens).
+    A request whose whole context is one suffix item writes its output directly; the combine launch merges every
+    other request's partials by log-sum-exp. With no groups every request reads its whole context in suffix items,
+    which is exactly ``paged_decode``.
 
     Args:
         query: ``[T, H_q, D]`` query tokens of the step, packed by ``plan.query_start_loc``.
