@@ -492,6 +492,19 @@ def section_memory(options: Options) -> list[dict[str, Any]]:
             row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
         rows.append(row)
         release(options.device)
+    # Gradient checkpointing under the patch must save memory: the same dedup step without it.
+    row = {"section": "memory", "run": "checkpointing", "group": 16 if not options.smoke else 4}
+    try:
+        model.gradient_checkpointing_disable()
+        row["dedup_peak_without_gib"] = _peak_of(dedup(row["group"]), model, options)
+    except Exception as error:
+        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    finally:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with_checkpointing = [r.get("dedup_peak_gib") for r in rows if r.get("group") == row["group"]]
+    row["dedup_peak_with_gib"] = with_checkpointing[0] if with_checkpointing else None
+    rows.append(row)
+    release(options.device)
     if options.device.type == "cuda":
         for run, make_step, probes in (("baseline", baseline, (8, 16)), ("dedup", dedup, (32, 64))):
             row = {"section": "memory", "run": f"max_group_{run}", "recompute": "full"}

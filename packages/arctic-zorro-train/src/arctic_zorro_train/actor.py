@@ -41,7 +41,7 @@ class DeduplicatedActor:
         attn_implementation: transformers attention implementation the model is loaded with (used for plain calls).
         dtype: parameter dtype when loading.
         clip_ratio / kl_coef: PPO clip range and k1 KL coefficient (the KL term needs ``ref_log_prob``).
-        sharing / attention_backend / deduplicate: see ``ZorroSettings``.
+        sharing / attention_backend / deduplicate / logits_chunk_size / fp32_logits: see ``ZorroSettings``.
     """
 
     def __init__(
@@ -59,6 +59,7 @@ class DeduplicatedActor:
         attention_backend: TreeAttentionBackend = "auto",
         deduplicate: bool = True,
         logits_chunk_size: int = 1024,
+        fp32_logits: bool = False,
     ) -> None:
         if isinstance(model_name_or_path, nn.Module):
             self.model = model_name_or_path.to(device)
@@ -78,6 +79,7 @@ class DeduplicatedActor:
             attention_backend=attention_backend,
             deduplicate=deduplicate,
             logits_chunk_size=logits_chunk_size,
+            fp32_logits=fp32_logits,
         )
 
     def forward(self, batch: Batch, temperature: float = 1.0, calculate_entropy: bool = False) -> ZorroOutput:
