@@ -643,7 +643,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=default_out_dir())
     parser.add_argument("--quick", action="store_true", help="correctness and the first shape only (for gpu_tests)")
-    parser.add_argument("--budget-s", type=float, default=330.0, help="stop starting new work after this long")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new work after this long")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("tree_attention: needs a CUDA GPU; nothing measured.")

@@ -225,15 +225,20 @@ def tree_attention(
             (Mistral/Qwen convention: ``q_pos - k_pos < sliding_window``); None for full attention.
         softcap: cap scores as ``softcap * tanh(score / softcap)`` after scaling (Gemma 2 style); None for none.
         return_lse: also return the log-sum-exp of the (scaled, capped) scores.
-        deterministic: make the backward pass bitwise reproducible (``triton`` reduces without atomics; the
-            reference and ``varlen`` are deterministic anyway; FlexAttention follows torch's own setting).
+        deterministic: make the backward pass bitwise reproducible (``triton`` then reduces dQ without atomics;
+            the reference is deterministic anyway; ``flex`` and ``varlen`` follow
+            ``torch.use_deterministic_algorithms``).
 
     Returns:
         ``[T, Hq, D]`` in the input dtype, or ``(out, lse)`` with lse ``[T, Hq]`` float32, natural log.
 
-    Differentiable in query, key and value (FlexAttention and the reference also through the lse).
+    Differentiable in query, key and value through the output, and through the lse with ``triton`` and
+    ``reference`` (``flex``: as far as the installed torch supports it; ``varlen``: not, it raises).
 
-    Supported: D in {64, 128, 256} (and 16, 32); bfloat16, float16, float32.
+    Supported: D in {64, 128, 256} (and 16, 32); bfloat16, float16, float32. ``varlen`` takes bf16/fp16 on CUDA
+    only and neither a sliding window nor a softcap (it raises ``NotImplementedError``; ``auto`` never picks it).
+    ``triton`` runs on CUDA (or on CPU under ``TRITON_INTERPRET=1``, for tests); ``reference`` refuses inputs with
+    more than ``MAX_REFERENCE_SCORES`` scores.
     """
     _check_inputs(query, key, value, plan, scale, sliding_window, softcap, backend)
     resolved_scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
