@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -164,6 +165,11 @@ def tree_causal_conv(
 
 def _fla_chunk_rule() -> Callable[..., Any] | None:
     if importlib.util.find_spec("fla") is None:
+        warnings.warn(
+            "flash-linear-attention is not installed: Gated DeltaNet layers run transformers' torch kernel on CUDA "
+            "(exact but slow). Install `arctic-zorro-train[fla]` for the fused kernels.",
+            stacklevel=3,
+        )
         return None
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
