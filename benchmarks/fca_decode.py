@@ -151,70 +151,79 @@ def _check_correctness(shape: Shape, quick: bool, smoke: bool) -> list[dict[str,
     combos = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]
     if quick or smoke:
         combos = combos[::4]
-    rows = []
-    for index, (block_size, queries_per_kv, head_dim) in enumerate(combos):
-        rng = random.Random(index)
-        max_query = 1 + index % 4
-        root = index % 2
-        longest = 120 if smoke else 900
-        prefix_lens = [rng.randint(root * block_size + 1, longest) for _ in range(rng.randint(1, 5))]
-        suffix_lens = [
-            [rng.choice([0, rng.randint(1, longest // 2)]) for _ in range(rng.randint(1, 10))] for _ in prefix_lens
-        ]
-        query_lens = [[rng.randint(1, max_query) for _ in group] for group in suffix_lens]
-        batch = make_decode_batch(
-            prefix_lens,
-            suffix_lens,
-            query_lens=query_lens,
-            root_blocks=root,
-            block_size=block_size,
-            num_kv_heads=2,
-            queries_per_kv=queries_per_kv,
-            head_dim=32 if smoke else head_dim,
-            dtype=shape.dtype,
-            device=shape.device,
-            shuffle=True,
-            seed=index,
+    rows: list[dict[str, Any]] = []
+    for index, combo in enumerate(combos):
+        try:
+            rows.extend(_check_combo(shape, index, *combo, smoke))
+        except Exception as error:  # one failing combination must not hide the others' results
+            rows.append({"check": f"combo {combo}", "ok": False, "error": f"{type(error).__name__}: {error}"[:300]})
+    return rows
+
+
+def _check_combo(
+    shape: Shape, index: int, block_size: int, queries_per_kv: int, head_dim: int, smoke: bool
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    rng = random.Random(index)
+    max_query = 1 + index % 4
+    root = index % 2
+    longest = 120 if smoke else 900
+    prefix_lens = [rng.randint(root * block_size + 1, longest) for _ in range(rng.randint(1, 5))]
+    suffix_lens = [
+        [rng.choice([0, rng.randint(1, longest // 2)]) for _ in range(rng.randint(1, 10))] for _ in prefix_lens
+    ]
+    query_lens = [[rng.randint(1, max_query) for _ in group] for group in suffix_lens]
+    batch = make_decode_batch(
+        prefix_lens,
+        suffix_lens,
+        query_lens=query_lens,
+        root_blocks=root,
+        block_size=block_size,
+        num_kv_heads=2,
+        queries_per_kv=queries_per_kv,
+        head_dim=32 if smoke else head_dim,
+        dtype=shape.dtype,
+        device=shape.device,
+        shuffle=True,
+        seed=index,
+    )
+    scale = batch.query.shape[2] ** -0.5
+    ref_out, ref_lse = reference_paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        scale,
+    )
+    config = ForestKernelConfig(split_granularity=64)
+    workspace = ForestWorkspace(batch.key_cache.shape[0], shape.device)
+    for name in ("forest", "paged"):
+        plan = _forest_plan(batch, shape, config, workspace) if name == "forest" else _paged_plan(batch, config)
+        out = torch.full_like(batch.query, float("nan"))
+        lse = torch.full(batch.query.shape[:2], float("nan"), device=shape.device)
+        forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, scale, out=out, lse=lse)
+        error = _relative_error(out, ref_out)
+        lse_error = (lse.cpu() - ref_lse).abs().max().item()
+        groups_ok = name == "paged" or (plan.group_leader.tolist(), plan.prefix_blocks.tolist()) == _torch_groups(batch)
+        ok = error < 1.5e-2 and lse_error < 5e-2 and not torch.isnan(out).any().item() and groups_ok
+        rows.append(
+            {
+                "check": name,
+                "block_size": block_size,
+                "gqa": queries_per_kv,
+                "head_dim": batch.query.shape[2],
+                "max_query_len": batch.max_query_len,
+                "groups": int(plan.num_groups.item()),
+                "rel_error": error,
+                "lse_max_error": lse_error,
+                "groups_match_torch_twin": groups_ok,
+                "ok": ok,
+            }
         )
-        scale = batch.query.shape[2] ** -0.5
-        ref_out, ref_lse = reference_paged_attention(
-            batch.query,
-            batch.key_cache,
-            batch.value_cache,
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start_loc,
-            scale,
-        )
-        config = ForestKernelConfig(split_granularity=64)
-        workspace = ForestWorkspace(batch.key_cache.shape[0], shape.device)
-        for name in ("forest", "paged"):
-            plan = _forest_plan(batch, shape, config, workspace) if name == "forest" else _paged_plan(batch, config)
-            out = torch.full_like(batch.query, float("nan"))
-            lse = torch.full(batch.query.shape[:2], float("nan"), device=shape.device)
-            forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, scale, out=out, lse=lse)
-            error = _relative_error(out, ref_out)
-            lse_error = (lse.cpu() - ref_lse).abs().max().item()
-            groups_ok = name == "paged" or (plan.group_leader.tolist(), plan.prefix_blocks.tolist()) == _torch_groups(
-                batch
-            )
-            ok = error < 1.5e-2 and lse_error < 5e-2 and not torch.isnan(out).any().item() and groups_ok
-            rows.append(
-                {
-                    "check": name,
-                    "block_size": block_size,
-                    "gqa": queries_per_kv,
-                    "head_dim": batch.query.shape[2],
-                    "max_query_len": batch.max_query_len,
-                    "groups": int(plan.num_groups.item()),
-                    "rel_error": error,
-                    "lse_max_error": lse_error,
-                    "groups_match_torch_twin": groups_ok,
-                    "ok": ok,
-                }
-            )
-        clean = not workspace.counts.any().item() and not workspace.leader_slots.any().item()
-        rows.append({"check": "workspace_zero_after_plan", "ok": clean and not workspace.ticket.any().item()})
+    clean = not workspace.counts.any().item() and not workspace.leader_slots.any().item()
+    rows.append({"check": "workspace_zero_after_plan", "ok": clean and not workspace.ticket.any().item()})
     return rows
 
 
@@ -542,51 +551,61 @@ def main() -> None:
         config, paged_config = _tune(rl, single, no_share, max(5, repeats // 3), rows)
         print(f"tuning done ({time.time() - started:.0f} s)", flush=True)
 
-    results = []
-    case_checks = []
+    results: list[dict[str, Any]] = []
+    case_checks: list[dict[str, Any]] = []
     for name in names:
-        if name == names[0]:
-            case = rl
-        elif name == names[1]:
-            case = single
-        elif name == names[2]:
-            case = no_share
-        else:
-            case = Case(name, *specs[name], shape=shape)
-        case_checks.append(case.check(config, paged_config))
-        row = _measure(case, config, paged_config, repeats, copy_tbps)
+        kept = {names[0]: rl, names[1]: single, names[2]: no_share}
+        try:
+            case = kept[name] if name in kept else Case(name, *specs[name], shape=shape)
+            case_checks.append(case.check(config, paged_config))
+            row = _measure(case, config, paged_config, repeats, copy_tbps)
+            case.free()
+        except Exception as error:  # one failing case must not hide the others' results
+            print(f"{name}: FAILED {type(error).__name__}: {str(error)[:300]}", flush=True)
+            case_checks.append({"check": f"{name}: measured", "ok": False, "error": str(error)[:300]})
+            continue
         if name.startswith("suffix_"):
             row["suffix"] = int(name.split("_")[1])
         results.append(row)
-        case.free()
         print(f"{name}: {row['forest_us']:.1f} us whole op, {row['forest_amortized_us']:.1f} amortized", flush=True)
-    # The RL case is also the sweep's middle point.
-    middle = dict(results[0])
-    middle["case"], middle["suffix"] = f"suffix_{specs[names[0]][1][0][0]}", specs[names[0]][1][0][0]
-    results.append(middle)
+    measured = list(results)
+    if results and results[0]["case"] == names[0]:
+        # The RL case is also the sweep's middle point.
+        middle = dict(results[0])
+        middle["case"], middle["suffix"] = f"suffix_{specs[names[0]][1][0][0]}", specs[names[0]][1][0][0]
+        results.append(middle)
     checks.extend(case_checks)
     rows.extend(case_checks)
     rows.extend(results)
     failed = [row for row in checks if not row["ok"]]
 
     by_case = {row["case"]: row for row in results}
-    adjacent, shuffled = by_case[names[0]], by_case[names[3]]
-    single_row, no_share_row = by_case[names[1]], by_case[names[2]]
+
+    def value(case: str, key: str) -> float:
+        return float(by_case.get(case, {}).get(key, math.nan))
+
+    adjacent, single_name, no_share_name, shuffled = names[0], names[1], names[2], names[3]
     summary = {
-        "rl8x16_unique_tbps": min(adjacent["unique_tbps"], shuffled["unique_tbps"]),
-        "rl8x16_speedup": min(adjacent["speedup"], shuffled["speedup"]),
-        "rl8x16_ideal": adjacent["ideal"],
-        "rl8x16_unique_tbps_amortized": min(adjacent["unique_tbps_amortized"], shuffled["unique_tbps_amortized"]),
-        "rl8x16_speedup_amortized": min(adjacent["speedup_amortized"], shuffled["speedup_amortized"]),
-        "rl8x16_dram_bound_speedup": adjacent["dram_bound_speedup"],
-        "rl8x16_unique_tbps_kernels_only": min(adjacent["unique_tbps_kernels"], shuffled["unique_tbps_kernels"]),
-        "rl8x16_plan_us": max(adjacent["plan_us"], shuffled["plan_us"]),
-        "single_group_us": single_row["forest_us"],
-        "single_group_us_amortized": single_row["forest_amortized_us"],
-        "single_group_kernels_us": single_row["forest_kernels_us"],
-        "no_share_slowdown": no_share_row["forest_us"] / no_share_row["paged_us"] - 1.0,
-        "no_share_slowdown_amortized": no_share_row["forest_amortized_us"] / no_share_row["paged_amortized_us"] - 1.0,
-        "paged_copy_fraction": no_share_row["paged_tbps"] / copy_tbps,
+        "rl8x16_unique_tbps": min(value(adjacent, "unique_tbps"), value(shuffled, "unique_tbps")),
+        "rl8x16_speedup": min(value(adjacent, "speedup"), value(shuffled, "speedup")),
+        "rl8x16_ideal": value(adjacent, "ideal"),
+        "rl8x16_unique_tbps_amortized": min(
+            value(adjacent, "unique_tbps_amortized"), value(shuffled, "unique_tbps_amortized")
+        ),
+        "rl8x16_speedup_amortized": min(value(adjacent, "speedup_amortized"), value(shuffled, "speedup_amortized")),
+        "rl8x16_dram_bound_speedup": value(adjacent, "dram_bound_speedup"),
+        "rl8x16_unique_tbps_kernels_only": min(
+            value(adjacent, "unique_tbps_kernels"), value(shuffled, "unique_tbps_kernels")
+        ),
+        "rl8x16_plan_us": max(value(adjacent, "plan_us"), value(shuffled, "plan_us")),
+        "single_group_us": value(single_name, "forest_us"),
+        "single_group_us_amortized": value(single_name, "forest_amortized_us"),
+        "single_group_kernels_us": value(single_name, "forest_kernels_us"),
+        "no_share_slowdown": value(no_share_name, "forest_us") / value(no_share_name, "paged_us") - 1.0,
+        "no_share_slowdown_amortized": value(no_share_name, "forest_amortized_us")
+        / value(no_share_name, "paged_amortized_us")
+        - 1.0,
+        "paged_copy_fraction": value(no_share_name, "paged_tbps") / copy_tbps,
         "copy_tbps": copy_tbps,
         "layers_per_step": LAYERS,
         "suffix_sweep_of_ideal": {str(row["suffix"]): row["of_ideal"] for row in results if "suffix" in row},
@@ -604,7 +623,7 @@ def main() -> None:
     for row in failed:
         print("  FAILED", row, flush=True)
     print_table(
-        results[:-1],
+        measured,
         [
             "case",
             "forest_us",
