@@ -19,7 +19,8 @@ Sections (pick with --sections; each fits one 10-minute device call, ``all`` doe
   sweep    1/2/4/16 unique prompts in 16 samples, P from 512 to 32K        (~5 min; 8 of the 36 layers;
            one prompt group per dedup micro-batch, one sample per baseline micro-batch)
 
-Run on the H200:  python benchmarks/zorro_train.py --sections dense ragged
+Run on the H200:  python benchmarks/zorro_train.py --sections dense ragged --out "$OUT"
+                  (rows of sections not run are kept from --merge-with, default benchmarks/results/zorro_train.json)
 Plot elsewhere:   python benchmarks/zorro_train.py --plot-from benchmarks/results/zorro_train.json
 CPU smoke check:  python benchmarks/zorro_train.py --smoke --out /tmp/zt   (tiny model, code paths only)
 """
@@ -674,6 +675,12 @@ def main() -> int:
     parser.add_argument("--sections", nargs="*", default=["dense"], choices=[*SECTIONS, "all"])
     parser.add_argument("--smoke", action="store_true", help="tiny model on any device: checks the code paths only")
     parser.add_argument("--plot-from", type=Path, default=None, help="only draw the PNG from a results JSON")
+    parser.add_argument(
+        "--merge-with",
+        type=Path,
+        default=Path(__file__).parent / "results" / f"{NAME}.json",
+        help="earlier results whose other sections are kept (default: the committed results file)",
+    )
     args = parser.parse_args()
     if args.plot_from is not None:
         results = json.loads(args.plot_from.read_text())
@@ -710,7 +717,7 @@ def main() -> int:
         print(f"[{section}] {time.perf_counter() - began:.0f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{NAME}.json"
-    rows = merge_previous(path, rows, sections)
+    rows = merge_previous(path if path.exists() else args.merge_with, rows, sections)
     results = {"meta": run_metadata(), "summary": summarize(rows), "rows": rows}
     path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     try:
