@@ -771,16 +771,17 @@ def forest_attention_kernel(
     pid = tl.program_id(0)
     work = pid // num_kv_heads
     kv_head = pid % num_kv_heads
+    # The owner is the number of owners whose items all end at or before this one: one vector load issued with the
+    # totals (no dependent search chain); padding lanes load past every item.
+    owners = tl.arange(0, OWNERS_BLOCK)
+    ends = tl.load(work_start_ptr + 1 + owners, mask=owners < 2 * num_requests, other=2147483647)
     total_work = tl.load(work_start_ptr + 2 * num_requests)
+    prefix_total = tl.load(work_start_ptr + num_requests)
     if work < total_work:
-        # The owner is the number of owners whose items all lie before this one: one vector load, no search chain.
-        owners = tl.arange(0, OWNERS_BLOCK)
-        ends = tl.load(work_start_ptr + 1 + owners, mask=owners < 2 * num_requests, other=total_work + 1)
         owner = tl.sum((ends <= work).to(tl.int32), 0)
         first = tl.load(work_start_ptr + owner)
         item = work - first
         item_count = tl.load(work_start_ptr + owner + 1) - first
-        prefix_total = tl.load(work_start_ptr + num_requests)
         if HAS_PREFIX:
             if owner < num_requests:
                 _prefix_item(
@@ -960,23 +961,24 @@ def forest_combine_kernel(
     pid = tl.program_id(0)
     request = pid // num_kv_heads
     kv_head = pid % num_kv_heads
+    # Everything this program needs that depends only on the request is loaded in one round.
     suffix_first = tl.load(work_start_ptr + num_requests + request)
     suffix_count = tl.load(work_start_ptr + num_requests + request + 1) - suffix_first
+    suffix_base = suffix_first - tl.load(work_start_ptr + num_requests)
+    query_begin = tl.load(query_start_ptr + request)
+    query_len = tl.load(query_start_ptr + request + 1) - query_begin
     tile = tl.full([], -1, dtype=tl.int32)
+    slot = tl.zeros([], dtype=tl.int32)
     if HAS_PREFIX:
         tile = tl.load(tile_of_ptr + request)
+        slot = tl.load(slot_in_tile_ptr + request)
     # A request whose context was one suffix item was written by the attention kernel itself.
     if (tile >= 0) | (suffix_count != 1):
         prefix_first = tl.zeros([], dtype=tl.int32)
         prefix_count = tl.zeros([], dtype=tl.int32)
-        slot = tl.zeros([], dtype=tl.int32)
         if tile >= 0:
             prefix_first = tl.load(work_start_ptr + tile)
             prefix_count = tl.load(work_start_ptr + tile + 1) - prefix_first
-            slot = tl.load(slot_in_tile_ptr + request)
-        suffix_base = suffix_first - tl.load(work_start_ptr + num_requests)
-        query_begin = tl.load(query_start_ptr + request)
-        query_len = tl.load(query_start_ptr + request + 1) - query_begin
         rows = tl.arange(0, ROWS)
         query_offset = rows // G
         head = kv_head * G + rows % G
