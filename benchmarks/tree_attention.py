@@ -441,10 +441,12 @@ def _metadata_times(layout: SampleLayout, plan: Plan, config: TritonConfig) -> d
         return sorted(times)[len(times) // 2]
 
     def triton_tables() -> None:
+        # The Triton kernels' three tile shapes and FlexAttention's 128x128.
         for block_m, block_n in {
             (config.block_m, config.block_n),
             (config.bwd_block_m, config.bwd_block_n),
             (config.dq_block_m, config.dq_block_n),
+            (128, 128),
         }:
             build_kernel_tables(plan.kv_visible_until, plan.position_ids, block_m, block_n)
 

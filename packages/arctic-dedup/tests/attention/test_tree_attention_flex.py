@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tree_attention_cases import CPU_CASES, Case, make_inputs
+from tree_attention_cases import CPU_CASES, Case, make_inputs, prompt_groups_plan
 
 from arctic_dedup.attention import tree_attention
-from arctic_dedup.attention.flex import flex_padded_length
+from arctic_dedup.attention.flex import flex_padded_length, flex_tree_attention
 
 OPTIONS = [{}, {"sliding_window": 5}, {"softcap": 3.0, "scale": 0.5}]
 
@@ -41,3 +41,17 @@ def test_padded_length_buckets() -> None:
     assert all(flex_padded_length(n) <= max(1.25 * n, n + 127) for n in lengths)
     # Four shape classes per octave above 1024 tokens.
     assert len({flex_padded_length(n) for n in range(8193, 16385)}) == 4
+
+
+@pytest.mark.slow
+def test_compiled_flex_never_treats_padding_as_visible() -> None:
+    """T = 128k + 1: the last key block holds one real key. Compiled FlexAttention skips the mask function on blocks
+    listed as full, so a full-listed last block would let the padded keys in (eager FlexAttention masks anyway and
+    cannot catch this). CPU compile: inference only, no lse."""
+    plan = prompt_groups_plan([126], [[3]])
+    assert plan.num_packed_tokens == 129
+    q, k, v = make_inputs(plan, 2, 1, 16, seed=3)
+    # Large keys make any leaked padded (zero) key visible in the output.
+    out, _ = flex_tree_attention(q, k * 4, v, plan, scale=0.25, return_lse=False, compile=True)
+    ref = tree_attention(q, k * 4, v, plan, backend="reference", scale=0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -36,6 +36,8 @@ def _plans() -> dict[str, Callable[[], Plan]]:
         "ragged_edges": lambda: prompt_groups_plan([300, 77], [[0, 1, 37, 128, 255, 129], [64, 1, 5]], device="cuda"),
         "deep_trie": lambda: deep_trie_plan("cuda", scale=16),
         "group_of_64": lambda: prompt_groups_plan([257], [group_of_64], device="cuda"),
+        # 7 * 128 + 1 tokens: the last key block holds a single real key.
+        "one_past_block": lambda: prompt_groups_plan([890], [[7]], device="cuda"),
     }
 
 

@@ -1,8 +1,9 @@
 """The ``flex`` backend: FlexAttention with a block mask built straight from the plan's block tables.
 
-The plan already knows, per 128x128 tile, which key blocks are fully visible and which need the element mask, so
-the ``BlockMask`` comes from ``BlockMask.from_kv_blocks`` (no dense mask, no ``create_block_mask`` sweep) and the
-``mask_mod`` only reads ``kv_visible_until`` (and the logical positions for a sliding window).
+The plan's ``kv_visible_until`` classifies every 128x128 tile as skipped, partial or full with a few vectorized ops
+(``_tables``, cached per plan), so the ``BlockMask`` comes from ``BlockMask.from_kv_blocks`` (no dense mask, no
+``create_block_mask`` sweep) and the ``mask_mod`` only reads ``kv_visible_until`` (and the logical positions for a
+sliding window).
 
 Compilation: the block mask is built inside the compiled region from tensors passed as arguments, so a new plan
 with the same padded length reuses the compiled code. The packed length is padded up to a bucket (four per octave,
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from arctic_dedup.attention_meta import BlockSparsity, block_sparsity
+from arctic_dedup.attention._tables import KernelTables, kernel_tables
 
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
@@ -140,11 +141,11 @@ def _pad_table(counts: torch.Tensor, indices: torch.Tensor, num_blocks: int) -> 
     return counts.contiguous(), indices.contiguous()
 
 
-def _plan_blocks(plan: Plan) -> BlockSparsity:
-    tables = plan.attention
-    if tables.block_m == FLEX_BLOCK_SIZE and tables.block_n == FLEX_BLOCK_SIZE:
-        return tables
-    return block_sparsity(plan.kv_visible_until, FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE)
+def _plan_blocks(plan: Plan, sliding_window: int | None) -> KernelTables:
+    """128x128 tables whose full blocks never reach past ``T``: the inputs are padded, so a block FlexAttention
+    treats as full would otherwise see padded keys without its mask function (``plan.attention`` may list the
+    last, partly filled key block as full). The sliding window also drops tiles that lie outside it."""
+    return kernel_tables(plan, FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE, sliding_window)
 
 
 def _to_flex_layout(tensor: torch.Tensor, padded_length: int) -> torch.Tensor:
@@ -182,9 +183,9 @@ def flex_tree_attention(
     num_tokens = query.shape[0]
     padded_length = flex_padded_length(num_tokens)
     num_blocks = padded_length // FLEX_BLOCK_SIZE
-    tables = _plan_blocks(plan)
-    kv_num, kv_idx = _pad_table(tables.kv_num_blocks, tables.kv_indices, num_blocks)
-    full_num, full_idx = _pad_table(tables.full_kv_num_blocks, tables.full_kv_indices, num_blocks)
+    tables = _plan_blocks(plan, sliding_window)
+    kv_num, kv_idx = _pad_table(tables.kv_part_num, tables.kv_part_indices, num_blocks)
+    full_num, full_idx = _pad_table(tables.kv_full_num, tables.kv_full_indices, num_blocks)
     # Padded keys get 0: no query index is below it, so nobody sees them.
     until = F.pad(plan.kv_visible_until.to(torch.int32), (0, padded_length - num_tokens))
     positions = F.pad(plan.position_ids.to(torch.int32), (0, padded_length - num_tokens))
