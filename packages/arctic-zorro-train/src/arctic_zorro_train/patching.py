@@ -76,7 +76,6 @@ class QwenAttentionPatcher:
         self.attention_layer = attention_layer
         self.use_split_attention = use_split_attention
         self.attn_implementation = attn_implementation
-        self._undo: Callable[[], None] | None = None
 
     @property
     def is_patched(self) -> bool:
@@ -91,15 +90,15 @@ class QwenAttentionPatcher:
                 config.zorro_fallback_implementation = self.attn_implementation
             return self
         fallback = self.attn_implementation or config._attn_implementation or "eager"
-        view = AttentionConfigView(config, fallback, self.use_split_attention)
-        self._undo = _set_attribute(self.attention_layer, "config", view)
+        object.__setattr__(
+            self.attention_layer, "config", AttentionConfigView(config, fallback, self.use_split_attention)
+        )
         return self
 
     def unpatch(self) -> None:
         config = self.attention_layer.config
         if isinstance(config, AttentionConfigView):
             object.__setattr__(self.attention_layer, "config", config.zorro_base_config)
-        self._undo = None
 
 
 def _gated_delta_forward(
@@ -153,7 +152,7 @@ class ZorroPatch:
     linear_attention_modules: list[nn.Module]
     routers: list[nn.Module]
     forward_patched: bool = False
-    _undo: list[Callable[[], None]] = field(default_factory=list)
+    undo_steps: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def text_config(self) -> Any:
@@ -166,9 +165,9 @@ class ZorroPatch:
     def remove(self) -> None:
         for patcher in self.attention_patchers:
             patcher.unpatch()
-        for undo in reversed(self._undo):
+        for undo in reversed(self.undo_steps):
             undo()
-        self._undo.clear()
+        self.undo_steps.clear()
 
 
 def get_patch(model: nn.Module) -> ZorroPatch:
@@ -248,8 +247,8 @@ def apply_zorro(
     if architecture.linear_attention is not None:
         projections = architecture.linear_attention.projections
         for module in linear_attention:
-            patch._undo.append(_set_attribute(module, "forward", _gated_delta_forward(module, projections)))
-    patch._undo.append(_set_attribute(model, PATCH_ATTRIBUTE, patch))
+            patch.undo_steps.append(_set_attribute(module, "forward", _gated_delta_forward(module, projections)))
+    patch.undo_steps.append(_set_attribute(model, PATCH_ATTRIBUTE, patch))
     if patch_forward:
         _patch_forward(patch)
     return patch
@@ -267,7 +266,7 @@ def _patch_forward(patch: ZorroPatch) -> None:
         undo()
         patch.forward_patched = False
 
-    patch._undo.append(undo_forward)
+    patch.undo_steps.append(undo_forward)
     patch.forward_patched = True
 
 
