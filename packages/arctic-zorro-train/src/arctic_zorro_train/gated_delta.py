@@ -45,13 +45,15 @@ class GatedDeltaLevel:
     """The nodes at one depth. ``m`` nodes, ``n`` tokens.
 
     token_index ``[n]``: packed positions, node after node; cu_seqlens ``[m+1]`` over them; padded_index
-    ``[m * max_length]``: the same positions right-padded per node with -1; parent_row ``[m]``: the row of each
-    node's parent among the previous level's nodes (None for the roots).
+    ``[m * max_length]``: the same positions right-padded per node with -1, and padded_rows ``[n]`` the rows of
+    ``padded_index`` that are not padding; parent_row ``[m]``: the row of each node's parent among the previous
+    level's nodes (None for the roots).
     """
 
     token_index: torch.Tensor
     cu_seqlens: torch.Tensor
     padded_index: torch.Tensor
+    padded_rows: torch.Tensor
     max_length: int
     parent_row: torch.Tensor | None
 
@@ -118,11 +120,13 @@ def build_gated_delta_schedule(plan: Plan, conv_width: int) -> GatedDeltaSchedul
         padded_index = _ranges(starts, lengths, max_length)
         parent_row = None if depth == 0 else row_in_level[tree.node_parent[nodes]]
         row_in_level[nodes] = torch.arange(nodes.numel(), device=device)
+        padded_rows = torch.nonzero(padded_index >= 0).squeeze(1)
         levels.append(
             GatedDeltaLevel(
-                token_index=padded_index[padded_index >= 0],
+                token_index=padded_index[padded_rows],
                 cu_seqlens=cu_seqlens,
                 padded_index=padded_index,
+                padded_rows=padded_rows,
                 max_length=max_length,
                 parent_row=parent_row,
             )
@@ -228,7 +232,7 @@ def tree_gated_delta_rule(
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
         )
-        outputs.append(out.reshape(-1, *out.shape[2:])[index >= 0])
+        outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, level.padded_rows))
     return torch.cat(outputs).index_select(0, schedule.level_order_inverse)
 
 
