@@ -18,6 +18,8 @@ EXPECTED_EXPORTS = {
     "plan_forest",
     "plan_paged",
     "tree_attention",
+    "tree_attention_reference",
+    "TreeAttentionBackend",
     "BatchStats",
     "BlockSparsity",
     "DedupCost",

@@ -1,6 +1,6 @@
 """arctic-dedup: plan, pack and attend over deduplicated RL batches (torch + Triton, nothing model-specific)."""
 
-from arctic_dedup.attention import choose_backend, tree_attention
+from arctic_dedup.attention import TreeAttentionBackend, choose_backend, tree_attention, tree_attention_reference
 from arctic_dedup.attention_meta import BlockSparsity, VarlenParams, block_sparsity, dense_tree_mask
 from arctic_dedup.balance import (
     GroupSplitWarning,
@@ -52,6 +52,7 @@ __all__ = [
     "ResponseIndex",
     "RowGroups",
     "SampleLayout",
+    "TreeAttentionBackend",
     "VarlenParams",
     "ZoRRoTrain",
     "__version__",
@@ -77,5 +78,6 @@ __all__ = [
     "prompt_groups",
     "segment_sum_rows",
     "tree_attention",
+    "tree_attention_reference",
     "unpack",
 ]

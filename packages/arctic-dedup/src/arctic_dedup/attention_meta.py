@@ -99,7 +99,14 @@ def block_sparsity(kv_visible_until: torch.Tensor, block_m: int = 128, block_n: 
     query_first = torch.arange(num_q, device=device) * block_m
     query_last = torch.clamp(query_first + block_m, max=num_tokens) - 1
     any_visible = (key_first[None, :] <= query_last[:, None]) & (until_max[None, :] > query_first[:, None])
-    all_visible = (key_last[None, :] <= query_first[:, None]) & (until_min[None, :] > query_last[:, None])
+    # A key block cut short by the end of the stream is never "full": kernels that pad T up to a block multiple
+    # would otherwise let the padding keys in.
+    complete_key_block = key_first + block_n <= num_tokens
+    all_visible = (
+        complete_key_block[None, :]
+        & (key_last[None, :] <= query_first[:, None])
+        & (until_min[None, :] > query_last[:, None])
+    )
     partial = any_visible & ~all_visible
     kv_num, kv_idx = _compact(partial)
     full_kv_num, full_kv_idx = _compact(all_visible)

@@ -194,5 +194,5 @@ def test_gpu_flex_does_not_recompile_for_new_lengths() -> None:
 
 def test_gpu_auto_rule() -> None:
     assert choose_backend(torch.empty(8, 4, 64, device="cuda", dtype=torch.bfloat16), 2) == "triton"
-    assert choose_backend(torch.empty(8, 4, 64, device="cuda", dtype=torch.float16), 2, needs_grad=True) == "triton"
+    assert choose_backend(torch.empty(8, 4, 64, device="cuda", dtype=torch.float16), 2, needs_grad=True) == "flex"
     assert choose_backend(torch.empty(8, 4, 64, device="cuda", dtype=torch.float32), 2) == "flex"

@@ -29,18 +29,19 @@ def choose_backend(
     ============  ==============================================  ============
     device        condition                                       backend
     ============  ==============================================  ============
-    CUDA          bf16/fp16 and ``triton`` importable             ``triton``
+    CUDA          bf16/fp16, forward only, ``triton`` importable  ``triton``
+    CUDA          gradient needed                                 ``flex``
     CUDA          fp32, or no ``triton``                          ``flex``
     CPU           ``Hq * T * T <= MAX_REFERENCE_SCORES``          ``reference``
     CPU           larger, no gradient needed                      ``flex``
     CPU           larger, gradient needed                         ``reference`` (raises its size error)
     ============  ==============================================  ============
 
-    Why: on CUDA both fused backends skip invisible tiles and never copy shared K/V; the Triton kernels avoid
-    FlexAttention's per-element mask function on full tiles, share K/V across a GQA group in the backward, and
-    handle sliding windows (tiles outside the window are dropped from the lists) and softcaps, so neither option
-    changes the choice (``benchmarks/tree_attention.py`` measures both; its results file says where each wins).
-    fp32 goes to FlexAttention because exact fp32 products leave the Triton kernels on small tiles. On CPU the
+    Why: on CUDA both fused backends skip invisible tiles and never copy shared K/V. Measured on the H200
+    (``benchmarks/results/tree_attention.json``, Qwen3-4B heads, bf16): the Triton forward is 1.07-1.14x
+    FlexAttention's at P=8192 (0.99x at P=32K), but its backward is 0.75-0.81x, so forward+backward is 0.81-0.90x:
+    training goes to FlexAttention, forward-only calls (log-probs, reference models) to Triton. Both handle sliding
+    windows and softcaps, so neither option changes the choice. fp32 goes to FlexAttention because exact fp32 products leave the Triton kernels on small tiles. On CPU the
     Triton interpreter is far too slow to be chosen implicitly, FlexAttention's backward is refused by torch and
     its eager path materializes the same dense scores as the reference, so the reference wins whenever it fits
     and FlexAttention serves large inference-only calls. ``varlen`` is never chosen automatically: it launches one
@@ -48,7 +49,7 @@ def choose_backend(
     """
     del sliding_window, softcap, num_kv_heads
     if query.is_cuda:
-        if query.dtype != torch.float32 and triton_available():
+        if query.dtype != torch.float32 and triton_available() and not needs_grad:
             return "triton"
         return "flex"
     num_tokens, num_q_heads = int(query.shape[0]), int(query.shape[1])
