@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -123,9 +124,32 @@ def compare_with_reference(
             metrics = actor.compute_policy_loss_and_backward(batch, temperature=temperature)
             errors["loss"] = abs(metrics["actor/policy_loss"] - float(loss.detach()))
             errors.update(gradient_errors(model, expected_grads))
-    worst = max(errors.items(), key=lambda item: item[1])
-    assert worst[1] <= TOLERANCE, f"{family}: {worst[0]} differs by {worst[1]:.3g} (> {TOLERANCE})"
+    above = {name: error for name, error in errors.items() if error > TOLERANCE}
+    if above and check_grads and set(above) <= set(expected_grads):
+        # fp32 gradients that are sums with heavy cancellation (e.g. key projections of a 3-token sequence) are not
+        # reproducible to 1e-5 even by transformers itself: then compare with its eager-vs-SDPA disagreement.
+        noise = transformers_self_noise(model, family, batch, temperature=temperature, kl_coef=kl_coef)
+        above = {name: error for name, error in above.items() if error > 2 * noise[name]}
+        assert not above, f"{family}: {above} (> {TOLERANCE} and > 2x transformers' own noise {noise})"
+    assert not above, f"{family}: {above} differ by more than {TOLERANCE}"
     return errors
+
+
+def transformers_self_noise(
+    model: nn.Module, family: str, batch: dict[str, torch.Tensor], *, temperature: float, kl_coef: float
+) -> dict[str, float]:
+    """Relative gradient differences between transformers' eager and SDPA attention on the same weights."""
+    from arctic_zorro_train.testing import build_model, relative_error
+
+    grads = []
+    for implementation in ("eager", "sdpa"):
+        clone = build_model(copy.deepcopy(model.config), attn_implementation=implementation)
+        clone.load_state_dict(model.state_dict())
+        with exact_kernels(clone, family):
+            loss, _, _ = reference_loss(clone, batch, temperature=temperature, kl_coef=kl_coef)
+            loss.backward()
+        grads.append(collect_grads(clone))
+    return {name: relative_error(grads[1][name], grad) for name, grad in grads[0].items()}
 
 
 def fresh_model(family: str, attn_implementation: str = "eager", **overrides: object) -> Any:
