@@ -21,6 +21,12 @@ from arctic_zorro_train.testing import (
 )
 
 TOLERANCE = 1e-5
+NOISE_MULTIPLE = 4.0
+# Gated DeltaNet decay parameters: their gradients are sums with heavy cancellation. On the same random layouts
+# transformers' own fp32 per-sample run is 4e-6 away from its float64 run, and 1e-4 to 1e-1 away from itself when
+# only its chunk boundaries move (test_gated_delta.py); 1e-5 would test fp32 rounding, not deduplication.
+DECAY_PARAMETERS = ("A_log", "dt_bias", "in_proj_a", "in_proj_ba")
+DECAY_TOLERANCE = 1e-4
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vlm", "qwen3_5_moe_vlm")
 
 
@@ -124,15 +130,23 @@ def compare_with_reference(
             metrics = actor.compute_policy_loss_and_backward(batch, temperature=temperature)
             errors["loss"] = abs(metrics["actor/policy_loss"] - float(loss.detach()))
             errors.update(gradient_errors(model, expected_grads))
-    above = {name: error for name, error in errors.items() if error > TOLERANCE}
+    above = {name: error for name, error in errors.items() if error > _tolerance(family, name)}
     if above and check_grads and set(above) <= set(expected_grads):
-        # fp32 gradients that are sums with heavy cancellation (e.g. key projections of a 3-token sequence) are not
-        # reproducible to 1e-5 even by transformers itself: then compare with its eager-vs-SDPA disagreement.
+        # fp32 gradients that are sums with heavy cancellation (the q/k projections and norms of 2-3 token
+        # sequences) are not reproducible to 1e-5 even by transformers itself (eager vs SDPA differ by up to 3e-5
+        # there): then the bound is a small multiple of that disagreement, measured on the same weights and batch.
         noise = transformers_self_noise(model, family, batch, temperature=temperature, kl_coef=kl_coef)
-        above = {name: error for name, error in above.items() if error > 2 * noise[name]}
-        assert not above, f"{family}: {above} (> {TOLERANCE} and > 2x transformers' own noise {noise})"
+        above = {name: error for name, error in above.items() if error > NOISE_MULTIPLE * noise[name]}
+        noisy = {name: noise[name] for name in above}
+        assert not above, f"{family}: {above} exceed {TOLERANCE} and {NOISE_MULTIPLE}x transformers' own noise {noisy}"
     assert not above, f"{family}: {above} differ by more than {TOLERANCE}"
     return errors
+
+
+def _tolerance(family: str, name: str) -> float:
+    if family in HYBRID_FAMILIES and any(part in name for part in DECAY_PARAMETERS):
+        return DECAY_TOLERANCE
+    return TOLERANCE
 
 
 def transformers_self_noise(

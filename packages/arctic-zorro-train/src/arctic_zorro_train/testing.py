@@ -255,7 +255,7 @@ def float64_recurrent_gated_delta_rule(
         state = state + k[:, :, t, :, None] * delta[:, :, None, :]
         outputs.append((state * q[:, :, t, :, None]).sum(dim=-2))
     out = torch.stack(outputs, dim=2).transpose(1, 2).to(out_dtype)
-    return out, (state.float() if output_final_state else None)
+    return out, (state if output_final_state else None)
 
 
 _CHUNK_RULE = "torch_chunk_gated_delta_rule"
