@@ -78,7 +78,7 @@ def write_results(out_dir: Path, name: str, summary: dict[str, Any], rows: list[
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    widths = [max(len(column), *(len(_cell(row.get(column))) for row in rows)) for column in columns]
+    widths = [max([len(column), *(len(_cell(row.get(column))) for row in rows)]) for column in columns]
     print("  ".join(column.rjust(width) for column, width in zip(columns, widths, strict=True)))
     for row in rows:
         print("  ".join(_cell(row.get(column)).rjust(width) for column, width in zip(columns, widths, strict=True)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -44,7 +45,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=default_out_dir())
     parser.add_argument("--quick", action="store_true", help="fewer variants (for gpu_tests)")
+    parser.add_argument("--plot-from", type=Path, default=None, help="only draw the PNG from a results JSON")
     args = parser.parse_args()
+    if args.plot_from is not None:
+        results = json.loads(args.plot_from.read_text())
+        summary = results["summary"]
+        _plot(results["rows"], summary["copy_gbps"], summary.get("write_only_gbps"), args.plot_from.with_suffix(".png"))
+        return
     if not torch.cuda.is_available():
         print("pack_unpack: needs a CUDA GPU; nothing measured.")
         return
@@ -153,7 +160,7 @@ def main() -> None:
     )
 
 
-def _plot(rows: list[dict], copy_gbps: float, write_gbps: float, path: Path) -> None:
+def _plot(rows: list[dict], copy_gbps: float, write_gbps: float | None, path: Path) -> None:
     try:
         import matplotlib
 
@@ -176,7 +183,8 @@ def _plot(rows: list[dict], copy_gbps: float, write_gbps: float, path: Path) -> 
     axis.bar([p - 0.2 for p in positions], forward, width=0.4, label="unpack (gather)")
     axis.bar([p + 0.2 for p in positions], backward, width=0.4, label="unpack backward (segment sum)")
     axis.axhline(copy_gbps, color="black", linestyle="--", label="device copy (read + write)")
-    axis.axhline(write_gbps, color="tab:red", linestyle="--", label="device write-only (fill)")
+    if write_gbps is not None:
+        axis.axhline(write_gbps, color="tab:red", linestyle="--", label="device write-only (fill)")
     axis.axhline(0.8 * copy_gbps, color="gray", linestyle=":", label="80% of copy (goal)")
     axis.set_xticks(list(positions), labels, rotation=90, fontsize=6)
     axis.set_ylabel("GB/s (fewest bytes: distinct reads + writes)")

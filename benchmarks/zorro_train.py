@@ -639,31 +639,56 @@ def merge_previous(path: Path, rows: list[dict[str, Any]], sections: Sequence[st
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    """Left: measured speedup and FLOP bound per section (dense, ragged, hybrid); middle: peak memory at equal group
+    size; right: the dedup-ratio sweep against its bounds (each panel only when its section ran)."""
     import matplotlib  # type: ignore[import-not-found]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # type: ignore[import-not-found]
 
-    rows = [row for row in results["rows"] if row.get("section") == "sweep" and "speedup" in row]
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for unique in sorted({row["unique_prompts"] for row in rows}):
-        series = sorted((row for row in rows if row["unique_prompts"] == unique), key=lambda row: row["prompt"])
+    summaries = [row for row in results["rows"] if row.get("run") == "summary" and row.get("section") != "sweep"]
+    memory = [row for row in results["rows"] if row.get("section") == "memory" and row.get("run") == "equal_group"]
+    sweep = [row for row in results["rows"] if row.get("section") == "sweep" and "speedup" in row]
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    speed_axis, memory_axis, sweep_axis = axes
+    if summaries:
+        names = [row["section"] for row in summaries]
+        positions = range(len(names))
+        speed_axis.bar([p - 0.2 for p in positions], [row["speedup"] for row in summaries], 0.4, label="measured")
+        speed_axis.bar([p + 0.2 for p in positions], [row["flop_bound"] for row in summaries], 0.4, label="FLOP bound")
+        for position, row in zip(positions, summaries, strict=True):
+            speed_axis.text(position - 0.2, row["speedup"], f"{row['speedup']:.2f}x", ha="center", va="bottom")
+        speed_axis.set_xticks(list(positions), names)
+        speed_axis.set_ylabel("fwd+bwd speedup over non-dedup")
+        speed_axis.legend(fontsize=8)
+    speed_axis.set_title("Qwen3-4B shape, P=8192, 16 responses", fontsize=9)
+    if memory:
+        groups = [row["group"] for row in memory]
+        positions = range(len(groups))
+        memory_axis.bar(
+            [p - 0.2 for p in positions], [row["baseline_peak_gib"] for row in memory], 0.4, label="baseline"
+        )
+        memory_axis.bar([p + 0.2 for p in positions], [row["dedup_peak_gib"] for row in memory], 0.4, label="dedup")
+        memory_axis.set_xticks(list(positions), [f"G={group}" for group in groups])
+        memory_axis.set_ylabel("peak GiB (full recompute)")
+        memory_axis.legend(fontsize=8)
+    memory_axis.set_title("peak memory at equal group size", fontsize=9)
+    for unique in sorted({row["unique_prompts"] for row in sweep}):
+        series = sorted((row for row in sweep if row["unique_prompts"] == unique), key=lambda row: row["prompt"])
         prompts = [row["prompt"] for row in series]
-        line = axis.plot(prompts, [row["speedup"] for row in series], marker="o", label=f"{unique} unique / 16")[0]
-        axis.plot(prompts, [row["flop_bound"] for row in series], linestyle="--", color=line.get_color(), alpha=0.6)
-    axis.set_xscale("log", base=2)
-    axis.set_yscale("log", base=2)
-    axis.set_xlabel("prompt length P (R = 512, 16 samples)")
-    axis.set_ylabel("speedup over non-dedup (dashed: FLOP bound)")
-    summary = results.get("summary", {})
-    axis.set_title(
-        f"ZoRRO Train fwd+bwd, {results['meta'].get('device', '')}\n"
-        f"dense P8192 G16 R512: speedup {summary.get('dense_speedup_measured', float('nan')):.2f}x, "
-        f"bound {summary.get('dense_flop_bound', float('nan')):.2f}x",
-        fontsize=9,
-    )
-    axis.grid(alpha=0.3, which="both")
-    axis.legend(fontsize=8)
+        line = sweep_axis.plot(prompts, [row["speedup"] for row in series], marker="o", label=f"{unique} unique / 16")
+        sweep_axis.plot(
+            prompts, [row["flop_bound"] for row in series], linestyle="--", color=line[0].get_color(), alpha=0.6
+        )
+    if sweep:
+        sweep_axis.set_xscale("log", base=2)
+        sweep_axis.set_yscale("log", base=2)
+        sweep_axis.legend(fontsize=8)
+    else:
+        sweep_axis.text(0.5, 0.5, "sweep not run yet", ha="center", va="center", transform=sweep_axis.transAxes)
+    sweep_axis.set_xlabel("prompt length P (R = 512, 16 samples)")
+    sweep_axis.set_title("dedup-ratio sweep (dashed: FLOP bound)", fontsize=9)
+    figure.suptitle(f"ZoRRO Train fwd+bwd on {results['meta'].get('device', '')}", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
