@@ -41,8 +41,8 @@ def choose_backend(
     (``benchmarks/results/tree_attention.json``, Qwen3-4B heads, bf16): the Triton forward is 1.07-1.14x
     FlexAttention's at P=8192 (0.99x at P=32K), but its backward is 0.75-0.81x, so forward+backward is 0.81-0.90x:
     training goes to FlexAttention, forward-only calls (log-probs, reference models) to Triton. Both handle sliding
-    windows and softcaps, so neither option changes the choice. fp32 goes to FlexAttention because exact fp32 products leave the Triton kernels on small tiles. On CPU the
-    Triton interpreter is far too slow to be chosen implicitly, FlexAttention's backward is refused by torch and
+    windows and softcaps, so neither option changes the choice. fp32 goes to FlexAttention because exact fp32
+    products leave the Triton kernels on small tiles. On CPU the Triton interpreter is far too slow to be chosen implicitly, FlexAttention's backward is refused by torch and
     its eager path materializes the same dense scores as the reference, so the reference wins whenever it fits
     and FlexAttention serves large inference-only calls. ``varlen`` is never chosen automatically: it launches one
     call per tree level and gathers the queries of every level, so it loses to both fused backends on trees.
