@@ -21,11 +21,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+# One bound for every parameter, the Gated DeltaNet decay parameters (A_log, dt_bias, in_proj_a) included: with the
+# test models' decay rates (testing.build_model) their gradients are no worse conditioned than the rest. Measured on
+# CPU in bf16 with this file's hybrid model and batch (dedup vs non-dedup): worst decay-parameter cosine 0.999837,
+# worst of the others 0.999844 (CPU bf16 sits below this bound for every kind of parameter alike).
 COSINE = 0.9999
-# The decay parameters' gradients are sums with heavy cancellation; transformers' own kernels move them by 1e-4 to
-# 1e-1 (relative) when only the chunk alignment changes (see test_gated_delta.py), so they get a looser check.
-DECAY_PARAMETERS = ("A_log", "dt_bias", "in_proj_a", "in_proj_ba")
-DECAY_COSINE = 0.999
 
 GPU_SHAPE: dict[str, Any] = {
     "vocab_size": 4096,
@@ -76,8 +76,7 @@ def _assert_cosines(actual: dict[str, torch.Tensor], expected: dict[str, torch.T
         if float(reference.norm()) == 0.0:
             continue
         cosine = float(torch.nn.functional.cosine_similarity(actual[name].flatten(), reference.flatten(), dim=0))
-        bound = DECAY_COSINE if any(part in name for part in DECAY_PARAMETERS) else COSINE
-        assert cosine >= bound, f"{label}: {name} cosine {cosine:.6f} < {bound}"
+        assert cosine >= COSINE, f"{label}: {name} cosine {cosine:.6f} < {COSINE}"
 
 
 def _backends() -> list[str]:

@@ -75,6 +75,40 @@ def test_entropy_matches_its_definition() -> None:
     torch.testing.assert_close(out.logprobs, probabilities.log().gather(-1, labels[:, None]).squeeze(-1))
 
 
+@pytest.mark.parametrize("mode", ["none", "compute", "memory"])
+@pytest.mark.parametrize("fp32_logits", [False, True])
+def test_float64_stays_float64(mode: str, fp32_logits: bool) -> None:
+    """A float64 head and hidden states give float64 logprobs, entropies and gradients in every mode (nothing
+    rounds through fp32, ``fp32_logits`` included), equal to the plain float64 computation."""
+    head, states, labels = _head_and_inputs()
+    head = head.double()
+    states = states.detach().double().requires_grad_(True)
+    weights = torch.linspace(-1.0, 2.0, labels.numel(), dtype=torch.float64)
+    out = token_logprobs(
+        states,
+        labels,
+        head,
+        temperature=0.7,
+        mode=mode,  # type: ignore[arg-type]
+        calculate_entropy=True,
+        chunk_size=5,
+        fp32_logits=fp32_logits,
+    )
+    assert out.entropy is not None
+    assert out.logprobs.dtype == out.entropy.dtype == torch.float64
+    actual_grads = torch.autograd.grad((out.logprobs * weights).sum() + (out.entropy * weights.flip(0)).sum(), states)
+    log_p = torch.log_softmax(head(states) / 0.7, dim=-1)
+    expected_logprobs = log_p.gather(-1, labels[:, None]).squeeze(-1)
+    expected_entropy = -(log_p.exp() * log_p).sum(-1)
+    expected_grads = torch.autograd.grad(
+        (expected_logprobs * weights).sum() + (expected_entropy * weights.flip(0)).sum(), states
+    )
+    torch.testing.assert_close(out.logprobs, expected_logprobs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.entropy, expected_entropy, rtol=0, atol=1e-12)
+    torch.testing.assert_close(actual_grads[0], expected_grads[0], rtol=0, atol=1e-12)
+    assert token_logprobs(states[:0], labels[:0], head, mode=mode).logprobs.dtype == torch.float64  # type: ignore[arg-type]
+
+
 def test_fp32_logits_run_the_head_in_fp32() -> None:
     head, states, labels = _head_and_inputs()
     head = head.to(torch.bfloat16)

@@ -47,7 +47,7 @@ def test_returns_output_and_lse() -> None:
         (lambda q, k, v: (q, k, v[:, :, :8]), ValueError, "same"),
         (lambda q, k, v: (q[None], k, v), ValueError, r"\[T, H, D\]"),
         (lambda q, k, v: (q[:, :3], k, v), ValueError, "multiple"),
-        (lambda q, k, v: (q.double(), k.double(), v.double()), TypeError, "bfloat16"),
+        (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, "bfloat16"),
         (lambda q, k, v: (q.half(), k, v), TypeError, "share a dtype"),
         (lambda q, k, v: (q[..., :8], k[..., :8], v[..., :8]), ValueError, "head dim"),
         (lambda q, k, v: (q[..., :8], k, v), ValueError, "head dim"),

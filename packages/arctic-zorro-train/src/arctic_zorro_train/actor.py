@@ -117,19 +117,21 @@ class DeduplicatedActor:
             raise ValueError(f"gradient_accumulation must be >= 1, got {gradient_accumulation}.")
         batch = {name: value.to(self.device) for name, value in batch.items()}
         output = self.forward(batch, temperature=temperature)
+        # Batch fields in the logprobs' dtype (fp32, or float64 for a float64 model).
+        dtype = output.logprobs.dtype
         loss_mask = (
-            response_token_values(batch, "response_mask").float()
+            response_token_values(batch, "response_mask").to(dtype)
             if "response_mask" in batch
             else torch.ones_like(output.logprobs)
         )
         use_kl = self.kl_coef != 0.0 and "ref_log_prob" in batch
         loss, metrics = ppo_policy_loss(
             output.logprobs,
-            response_token_values(batch, "old_log_probs").float(),
-            response_token_values(batch, "advantages").float(),
+            response_token_values(batch, "old_log_probs").to(dtype),
+            response_token_values(batch, "advantages").to(dtype),
             loss_mask,
             clip_ratio=self.clip_ratio,
-            ref_logprobs=response_token_values(batch, "ref_log_prob").float() if use_kl else None,
+            ref_logprobs=response_token_values(batch, "ref_log_prob").to(dtype) if use_kl else None,
             kl_coef=self.kl_coef,
         )
         config = self.patch.text_config

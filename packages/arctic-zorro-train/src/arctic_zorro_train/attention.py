@@ -132,10 +132,11 @@ def reconstruct_attention(
     else:
         group = num_q_heads // key.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
         scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v.to(dtype)).to(q.dtype)
     out = out.transpose(1, 2)
     if maps.to_packed is None:
         return pack(out, context.plan, padded=True)

@@ -23,11 +23,11 @@ __all__ = ["ZorroOutput", "zorro_forward", "zorro_model_forward"]
 class ZorroOutput:
     """Outputs over the valid response tokens of every sample, in the original sample order (``M`` tokens).
 
-    logprobs ``[M]`` and entropy ``[M]`` (or None) in fp32; logits ``[M, V]`` (logits mode ``"none"`` only) are the
-    raw logits predicting each response token; response_offsets ``[B+1]``: sample ``b`` owns
-    ``[response_offsets[b], response_offsets[b+1])``. MoE models also give aux_loss (scalar, the
+    logprobs ``[M]`` and entropy ``[M]`` (or None) in fp32 (float64 for a float64 model); logits ``[M, V]``
+    (logits mode ``"none"`` only) are the raw logits predicting each response token; response_offsets ``[B+1]``:
+    sample ``b`` owns ``[response_offsets[b], response_offsets[b+1])``. MoE models also give aux_loss (scalar, the
     load-balancing loss of the non-deduplicated batch, not yet scaled by ``router_aux_loss_coef``), expert_load
-    ``[L, E]`` and router_probability ``[L, E]``.
+    ``[L, E]`` and router_probability ``[L, E]`` (same dtype as logprobs).
     """
 
     logprobs: torch.Tensor

@@ -266,7 +266,8 @@ def gated_delta_tree_forward(
     key = key.reshape(num_tokens, -1, module.head_k_dim)
     value = value.reshape(num_tokens, -1, module.head_v_dim)
     beta = inputs.b.sigmoid()
-    # In fp32: with fp16/bf16 weights exp(A_log) could overflow.
+    # transformers' own formula, casts included (fp32: with fp16/bf16 weights exp(A_log) could overflow), so the
+    # deduplicated run rounds where the plain run does, in every dtype.
     g = -module.A_log.float().exp() * F.softplus(inputs.a.float() + module.dt_bias)
     heads_per_key = module.num_v_heads // module.num_k_heads
     if heads_per_key > 1:

@@ -1,5 +1,6 @@
 """Log-probabilities and entropies of response tokens from the hidden states that predict them.
 
+The softmax math runs in fp32, or in float64 for a float64 model (then logprobs and entropies are float64 too).
 Three logits modes (``M`` response tokens, vocabulary ``V``):
 
 * ``"none"``: one ``[M, V]`` logits tensor, plain autograd (also returned to the caller);
@@ -28,12 +29,17 @@ LOGITS_MODES: tuple[str, ...] = ("none", "compute", "memory")
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """logprobs ``[M]`` fp32; entropy ``[M]`` fp32 or None; logits ``[M, V]`` (mode ``"none"`` only, before the
-    temperature) or None."""
+    """logprobs ``[M]`` fp32 (float64 for float64 logits); entropy ``[M]`` the same or None; logits ``[M, V]``
+    (mode ``"none"`` only, before the temperature) or None."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     logits: torch.Tensor | None
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16- and 32-bit floats, float64 for float64 (never a downcast)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _head_fn(lm_head: Any, fp32_logits: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -41,15 +47,15 @@ def _head_fn(lm_head: Any, fp32_logits: bool) -> Callable[[torch.Tensor], torch.
         return lm_head  # type: ignore[return-value]
 
     def fp32_head(hidden: torch.Tensor) -> torch.Tensor:
-        weight = lm_head.weight.float()
-        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.float()
-        return torch.nn.functional.linear(hidden.float(), weight, bias)
+        dtype = _softmax_dtype(lm_head.weight.dtype)
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.to(dtype)
+        return torch.nn.functional.linear(hidden.to(dtype), lm_head.weight.to(dtype), bias)
 
     return fp32_head
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    scaled = logits.float()
+    scaled = logits.to(_softmax_dtype(logits.dtype))
     return scaled if temperature == 1.0 else scaled / temperature
 
 
@@ -83,7 +89,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         with_entropy: bool,
         *head_parameters: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        logprobs = torch.empty(hidden.shape[0], dtype=_softmax_dtype(hidden.dtype), device=hidden.device)
         entropy = torch.zeros_like(logprobs)
         with torch.no_grad():
             for start in range(0, hidden.shape[0], chunk_size):
@@ -175,7 +181,8 @@ def token_logprobs(
 ) -> TokenLogprobs:
     """Log-probabilities of ``labels [M]`` under ``lm_head(hidden [M, d]) / temperature`` (and entropies).
 
-    ``fp32_logits`` runs the LM head itself in fp32 (otherwise only the softmax math is fp32).
+    ``fp32_logits`` runs the LM head itself in fp32 (otherwise only the softmax math is fp32). A float64 model stays
+    in float64 throughout.
     """
     if mode not in LOGITS_MODES:
         raise ValueError(f"logits mode must be one of {LOGITS_MODES}, got {mode!r}.")
@@ -186,7 +193,7 @@ def token_logprobs(
     head = _head_fn(lm_head, fp32_logits)
     if hidden.shape[0] == 0:
         # No response tokens at all: keep the graph connected so backward() still works.
-        empty = hidden.sum(dim=-1).float()
+        empty = hidden.sum(dim=-1).to(_softmax_dtype(hidden.dtype))
         return TokenLogprobs(logprobs=empty, entropy=empty.clone() if calculate_entropy else None, logits=None)
     if mode == "memory" and _is_zero3_sharded(lm_head):
         logprobs, entropy = _checkpointed_chunks(hidden, labels, head, temperature, chunk_size, calculate_entropy)

@@ -56,13 +56,15 @@ def router_statistics(
     """Weighted load-balancing statistics. router_logits: one ``[T, E]`` per MoE layer; weights ``[T]``."""
     if not router_logits:
         raise ValueError("no router logits were collected; is this an MoE model with its routers patched?")
-    weights = weights.float()
+    # fp32 (float64 for a float64 model: never a downcast).
+    dtype = torch.promote_types(router_logits[0].dtype, torch.float32)
+    weights = weights.to(dtype)
     loads = []
     probabilities = []
     for logits in router_logits:
-        routing = torch.softmax(logits.float(), dim=-1)
+        routing = torch.softmax(logits.to(dtype), dim=-1)
         selected = torch.topk(routing, top_k, dim=-1).indices
-        load = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
+        load = torch.zeros(num_experts, dtype=dtype, device=logits.device)
         load.scatter_add_(0, selected.reshape(-1), weights.repeat_interleave(top_k))
         loads.append(load)
         probabilities.append((routing * weights[:, None]).sum(dim=0))

@@ -3,7 +3,6 @@ per-sample reference run that deduplicated results are compared with."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from arctic_dedup.testing import create_dummy_batch
 from arctic_zorro_train.families import resolve_architecture
@@ -22,7 +22,7 @@ __all__ = [
     "build_model",
     "collect_grads",
     "create_dummy_batch",
-    "float64_gated_delta_kernels",
+    "float64_everywhere",
     "float64_recurrent_gated_delta_rule",
     "gradient_errors",
     "per_sample_reference",
@@ -134,13 +134,21 @@ def build_model(
     torch.manual_seed(seed)
     loader = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     config._attn_implementation = attn_implementation
+    if dtype == torch.float64 and getattr(config.get_text_config(), "num_experts", None):
+        # transformers' default grouped_mm experts have no float64 kernel; the eager loop over experts has.
+        config._experts_implementation = "eager"
     model = loader.from_config(config, dtype=dtype)
     # Norm weights start at exactly 1 (or 0 for Qwen3.5's zero-centred norms); perturb them so that gradient
-    # checks see every parameter's effect.
+    # checks see every parameter's effect. Gated DeltaNet decay rates exp(A_log) start in [0.01, 16]: most heads
+    # then keep under 1% of their state per token, so the state a child takes from its parent barely matters and
+    # the decay parameters' gradients nearly vanish (1e-10). Rates in [0.02, 0.3] keep 67-97% per token, like the
+    # long memories of trained models.
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.add_(0.1 * torch.randn_like(parameter))
+            if name.endswith("A_log"):
+                parameter.copy_(torch.empty_like(parameter).uniform_(0.02, 0.3).log())
     return model  # type: ignore[no-any-return]
 
 
@@ -176,7 +184,8 @@ def per_sample_reference(
         total = int(valid.sum())
         with collect_router_logits(_moe_routers(model)) as router_logits:
             logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
-        scaled = logits[prompt - 1 : total - 1].float() / temperature
+        # fp32 softmax like the deduplicated run (float64 for a float64 model).
+        scaled = logits[prompt - 1 : total - 1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         log_p = torch.log_softmax(scaled, dim=-1)
         logprobs.append(log_p.gather(-1, ids[0, prompt:total, None]).squeeze(-1))
         entropies.append(-(log_p.exp() * log_p).sum(-1))
@@ -233,7 +242,7 @@ def float64_recurrent_gated_delta_rule(
 
     Same arguments and shapes as transformers' ``torch_chunk_gated_delta_rule`` (``[B, T, H, D]``). Its rounding
     does not depend on where a sequence is cut, so a prefix computed once and continued from its final state is
-    bitwise the prefix of the whole-sequence run; used to test state passing without chunk-alignment noise.
+    bitwise the prefix of the whole-sequence run: the twin the tree's state passing is tested against.
     """
     out_dtype = query.dtype
     q, k, v, beta64, decay = (x.transpose(1, 2).double() for x in (query, key, value, beta, g))
@@ -258,19 +267,37 @@ def float64_recurrent_gated_delta_rule(
     return out, (state if output_final_state else None)
 
 
-_CHUNK_RULE = "torch_chunk_gated_delta_rule"
+def _float64_for_float32(value: Any) -> Any:
+    return torch.float64 if value is torch.float32 else value
+
+
+class _Float64Everywhere(TorchFunctionMode):
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        elif func in (torch.Tensor.to, torch.Tensor.type):
+            args = [args[0], *(_float64_for_float32(value) for value in args[1:])]
+        if kwargs:
+            kwargs = {name: _float64_for_float32(value) for name, value in kwargs.items()}
+        return func(*args, **(kwargs or {}))
 
 
 @contextmanager
-def float64_gated_delta_kernels(model: nn.Module) -> Iterator[None]:
-    """Within the block, every Gated DeltaNet layer of ``model`` (plain and zorro path alike) uses
-    ``float64_recurrent_gated_delta_rule`` instead of transformers' fp32 chunked kernel."""
-    modules = {sys.modules[type(module).__module__] for module in model.modules() if hasattr(module, "A_log")}
-    saved = {module: getattr(module, _CHUNK_RULE) for module in modules}
-    try:
-        for module in modules:
-            setattr(module, _CHUNK_RULE, float64_recurrent_gated_delta_rule)
+def float64_everywhere() -> Iterator[None]:
+    """Within the block, every request for fp32 gives float64: ``.float()``, ``.to(torch.float32)``,
+    ``dtype=torch.float32`` (casts, factories, ``softmax(dtype=...)``).
+
+    transformers computes some pieces in fp32 whatever the model's dtype (RMSNorm, eager attention's softmax, RoPE,
+    Gated DeltaNet's decay and chunked kernel, the MoE load-balancing loss): an upcast for bf16 models but a
+    *downcast* for float64 ones, which would leave fp32 rounding in a float64 run. Inside this block a float64
+    model computes everything in float64, the deduplicated run and the plain per-sample run alike, so the two agree
+    to float64 rounding (at most 1.1e-14 relative in this package's tests, gradients with heavy cancellation
+    included).
+
+    Wrap forward and backward passes, not setup code that allocates fp32 buffers on purpose (an optimizer's state,
+    a DeepSpeed engine's gradient partitions): those would come out float64 too.
+    """
+    with _Float64Everywhere():
         yield
-    finally:
-        for module, rule in saved.items():
-            setattr(module, _CHUNK_RULE, rule)

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "tree_attention"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Only the reference computes in float64 (for exact tests of whole models); the fused backends refuse it.
+REFERENCE_ONLY_DTYPES = (torch.float64,)
 # 64, 128 and 256 are the head dims of the supported models; 16 and 32 keep interpreter tests cheap.
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -38,8 +40,11 @@ def _check_inputs(
                 f"{name} must be a [T, H, D] tensor, got {getattr(tensor, 'shape', type(tensor))}; flatten the "
                 "batch into the packed stream (one row per packed token) first."
             )
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {tensor.dtype}.")
+        if tensor.dtype not in SUPPORTED_DTYPES + REFERENCE_ONLY_DTYPES:
+            raise TypeError(
+                f"{name} must be bfloat16, float16 or float32 (or float64 with backend='reference'), got "
+                f"{tensor.dtype}."
+            )
     num_tokens = plan.num_packed_tokens
     if query.shape[0] != num_tokens:
         raise PlanError(
@@ -218,7 +223,8 @@ def tree_attention(
         value: ``[T, Hkv, D]`` packed values.
         plan: the micro-batch's plan (``build_plan`` / ``build_plan_from_layout``), on the inputs' device.
         scale: score scale; default ``1 / sqrt(D)``.
-        backend: ``"auto"`` (see ``choose_backend``), ``"reference"`` (dense fp32, small inputs only),
+        backend: ``"auto"`` (see ``choose_backend``), ``"reference"`` (dense fp32, or float64 for float64
+            inputs; small inputs only),
             ``"flex"`` (FlexAttention with a block mask from the plan), ``"triton"`` (fused kernels over the plan's
             block lists), ``"varlen"`` (flash-attention varlen calls per tree level, merged by log-sum-exp).
         sliding_window: attend only to keys whose logical position is less than this many tokens behind the query
@@ -230,13 +236,16 @@ def tree_attention(
             ``torch.use_deterministic_algorithms``).
 
     Returns:
-        ``[T, Hq, D]`` in the input dtype, or ``(out, lse)`` with lse ``[T, Hq]`` float32, natural log.
+        ``[T, Hq, D]`` in the input dtype, or ``(out, lse)`` with lse ``[T, Hq]`` float32 (float64 for float64
+        inputs), natural log.
 
     Differentiable in query, key and value through the output, and through the lse with ``triton`` and
     ``reference`` (``flex``: as far as the installed torch supports it; ``varlen``: not, it raises).
 
-    Supported: D in {64, 128, 256} (and 16, 32); bfloat16, float16, float32. ``varlen`` takes bf16/fp16 on CUDA
-    only and neither a sliding window nor a softcap (it raises ``NotImplementedError``; ``auto`` never picks it).
+    Supported: D in {64, 128, 256} (and 16, 32); bfloat16, float16, float32, and float64 on ``reference`` only
+    (computed in float64 end to end; ``auto`` gets there on CPU when the reference fits, any other backend raises
+    ``TypeError``). ``varlen`` takes bf16/fp16 on CUDA only and neither a sliding window nor a softcap (it raises
+    ``NotImplementedError``; ``auto`` never picks it).
     ``triton`` runs on CUDA (or on CPU under ``TRITON_INTERPRET=1``, for tests); ``reference`` refuses inputs with
     more than ``MAX_REFERENCE_SCORES`` scores.
     """
@@ -251,6 +260,14 @@ def tree_attention(
     else:
         assert backend in BACKENDS
         chosen = backend
+    if query.dtype in REFERENCE_ONLY_DTYPES and chosen != "reference":
+        picked = f"backend='auto' picked {chosen!r}" if backend == "auto" else f"backend={chosen!r} was asked for"
+        raise TypeError(
+            f"{query.dtype} inputs run only on backend='reference' (dense scores, small inputs; 'auto' picks it on "
+            f"CPU when Hq*T*T <= MAX_REFERENCE_SCORES), but {picked} for a {query.shape[0]}-token "
+            f"{query.device.type} input. Pass backend='reference', or cast to float32/bfloat16 for the fused "
+            "backends."
+        )
     out, lse = _run_backend(
         chosen, query, key, value, plan, resolved_scale, sliding_window, softcap, return_lse, deterministic
     )

@@ -42,10 +42,14 @@ def choose_backend(
     FlexAttention's at P=8192 (0.99x at P=32K), but its backward is 0.75-0.81x, so forward+backward is 0.81-0.90x:
     training goes to FlexAttention, forward-only calls (log-probs, reference models) to Triton. Both handle sliding
     windows and softcaps, so neither option changes the choice. fp32 goes to FlexAttention because exact fp32
-    products leave the Triton kernels on small tiles. On CPU the Triton interpreter is far too slow to be chosen implicitly, FlexAttention's backward is refused by torch and
-    its eager path materializes the same dense scores as the reference, so the reference wins whenever it fits
-    and FlexAttention serves large inference-only calls. ``varlen`` is never chosen automatically: it launches one
-    call per tree level and gathers the queries of every level, so it loses to both fused backends on trees.
+    products leave the Triton kernels on small tiles. On CPU the Triton interpreter is far too slow to be chosen
+    implicitly, FlexAttention's backward is refused by torch and its eager path materializes the same dense scores
+    as the reference, so the reference wins whenever it fits and FlexAttention serves large inference-only calls.
+    ``varlen`` is never chosen automatically: it launches one call per tree level and gathers the queries of every
+    level, so it loses to both fused backends on trees.
+
+    The dtype does not change the choice: float64 inputs run only on ``reference``, so on CPU they work whenever the
+    reference fits, and wherever another backend is picked ``tree_attention`` refuses them, saying so.
     """
     del sliding_window, softcap, num_kv_heads
     if query.is_cuda:

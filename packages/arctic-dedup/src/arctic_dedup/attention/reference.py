@@ -1,6 +1,7 @@
 """The reference twin of tree attention: a dense boolean mask and a plain fp32 softmax (small inputs only).
 
-Obviously correct rather than fast: every other backend is tested against it, forward and backward.
+Obviously correct rather than fast: every other backend is tested against it, forward and backward. float64 inputs
+are computed in float64 throughout, so callers can test whole models exactly (no fp32 rounding to argue about).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 __all__ = ["MAX_REFERENCE_SCORES", "reference_mask", "tree_attention_reference"]
 
 # Upper bound on Hq * T * T: the fp32 score tensor alone is 4 bytes per element and autograd keeps about three of
-# them alive (scores, probabilities and their gradient), so 2**27 elements is about 1.5 GiB.
+# them alive (scores, probabilities and their gradient), so 2**27 elements is about 1.5 GiB (3 GiB in float64).
 MAX_REFERENCE_SCORES = 2**27
 
 
@@ -44,11 +45,12 @@ def tree_attention_reference(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_scores: int = MAX_REFERENCE_SCORES,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree attention with a dense mask in fp32: ``[T, Hq, D]`` x ``[T, Hkv, D]`` -> (out ``[T, Hq, D]`` in the
     input dtype, lse ``[T, Hq]`` fp32, natural log). Differentiable through plain torch autograd.
 
+    float64 inputs run everything (products, softmax, lse) in float64 and return a float64 lse.
     ``compute_dtype=torch.bfloat16`` runs both matrix products in bf16 (softmax still fp32): not a reference but
     the yardstick for "within bf16 noise" (how far a plain bf16 implementation lands from the fp32 result)."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -56,16 +58,19 @@ def tree_attention_reference(
     scores_size = num_q_heads * num_tokens * num_tokens
     if scores_size > max_scores:
         raise ValueError(
-            f"backend='reference' materializes Hq*T*T = {num_q_heads}*{num_tokens}*{num_tokens} = {scores_size} fp32 "
+            f"backend='reference' materializes Hq*T*T = {num_q_heads}*{num_tokens}*{num_tokens} = {scores_size} "
             f"scores, over its limit of {max_scores}; it is meant for small inputs and tests. Use backend='flex' or "
-            "'triton' (or 'auto') for this size."
+            "'triton' (or 'auto') for this size"
+            + (" (in float32 or bfloat16: only the reference takes float64)." if query.dtype == torch.float64 else ".")
         )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     group = num_q_heads // num_kv_heads
+    softmax_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    compute_dtype = softmax_dtype if compute_dtype is None else compute_dtype
     q = query.to(compute_dtype).transpose(0, 1)
     k = key.to(compute_dtype).transpose(0, 1).repeat_interleave(group, dim=0)
     v = value.to(compute_dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-    scores = torch.matmul(q, k.transpose(1, 2)).float() * scale
+    scores = torch.matmul(q, k.transpose(1, 2)).to(softmax_dtype) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     mask = reference_mask(kv_visible_until, position_ids, sliding_window)
