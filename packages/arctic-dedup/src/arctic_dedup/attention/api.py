@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING, Literal, get_args, overload
 
@@ -9,7 +10,7 @@ import torch
 
 from arctic_dedup._triton_support import interpreting, triton_available
 from arctic_dedup.attention.auto import BACKENDS, ConcreteBackend, TreeAttentionBackend, choose_backend
-from arctic_dedup.attention.reference import tree_attention_reference
+from arctic_dedup.attention.reference import MAX_REFERENCE_SCORES, tree_attention_reference
 from arctic_dedup.errors import PlanError
 
 if TYPE_CHECKING:
@@ -93,6 +94,58 @@ def _require_triton(query: torch.Tensor) -> None:
         )
 
 
+def _sum_of_squared_tree_lengths(plan: Plan) -> int:
+    lengths = plan.tree.cu_seqlens_trees[1:] - plan.tree.cu_seqlens_trees[:-1]
+    return int((lengths.long() * lengths.long()).sum())
+
+
+def _reference_tree_by_tree(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Plan,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense reference, tree by tree: the same function as one dense mask over the whole stream (no query sees
+    another tree's keys), with ``sum(tree_len^2)`` instead of ``T^2`` scores, so a non-deduplicated batch costs what
+    per-sample attention costs."""
+    if plan.tree.num_trees == 1:
+        return tree_attention_reference(
+            query,
+            key,
+            value,
+            plan.kv_visible_until,
+            position_ids=plan.position_ids,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+    total = query.shape[1] * _sum_of_squared_tree_lengths(plan)
+    if total > MAX_REFERENCE_SCORES:
+        raise ValueError(
+            f"backend='reference' needs Hq * sum(tree length^2) = {total} scores even tree by tree, over its limit "
+            f"of {MAX_REFERENCE_SCORES}; use backend='flex' or 'triton' on a GPU for this size."
+        )
+    bounds = plan.tree.cu_seqlens_trees.tolist()
+    outputs, lses = [], []
+    for start, end in itertools.pairwise(bounds):
+        out, lse = tree_attention_reference(
+            query[start:end],
+            key[start:end],
+            value[start:end],
+            plan.kv_visible_until[start:end] - start,
+            position_ids=plan.position_ids[start:end],
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+        outputs.append(out)
+        lses.append(lse)
+    return torch.cat(outputs), torch.cat(lses)
+
+
 def _run_backend(
     backend: ConcreteBackend,
     query: torch.Tensor,
@@ -106,17 +159,7 @@ def _run_backend(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if backend == "reference":
-        out, lse = tree_attention_reference(
-            query,
-            key,
-            value,
-            plan.kv_visible_until,
-            position_ids=plan.position_ids,
-            scale=scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
-        )
-        return out, lse
+        return _reference_tree_by_tree(query, key, value, plan, scale, sliding_window, softcap)
     if backend == "flex":
         from arctic_dedup.attention.flex import flex_tree_attention
 
@@ -254,8 +297,14 @@ def tree_attention(
     chosen: ConcreteBackend
     if backend == "auto":
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        reference_scores = None if query.is_cuda else query.shape[1] * _sum_of_squared_tree_lengths(plan)
         chosen = choose_backend(
-            query, key.shape[1], sliding_window=sliding_window, softcap=softcap, needs_grad=needs_grad
+            query,
+            key.shape[1],
+            sliding_window=sliding_window,
+            softcap=softcap,
+            needs_grad=needs_grad,
+            reference_scores=reference_scores,
         )
     else:
         assert backend in BACKENDS
@@ -264,7 +313,7 @@ def tree_attention(
         picked = f"backend='auto' picked {chosen!r}" if backend == "auto" else f"backend={chosen!r} was asked for"
         raise TypeError(
             f"{query.dtype} inputs run only on backend='reference' (dense scores, small inputs; 'auto' picks it on "
-            f"CPU when Hq*T*T <= MAX_REFERENCE_SCORES), but {picked} for a {query.shape[0]}-token "
+            f"CPU when Hq * sum(tree length^2) <= MAX_REFERENCE_SCORES), but {picked} for a {query.shape[0]}-token "
             f"{query.device.type} input. Pass backend='reference', or cast to float32/bfloat16 for the fused "
             "backends."
         )

@@ -23,6 +23,7 @@ def choose_backend(
     sliding_window: int | None = None,
     softcap: float | None = None,
     needs_grad: bool = False,
+    reference_scores: int | None = None,
 ) -> ConcreteBackend:
     """Pick the fastest correct backend for the device and the shape.
 
@@ -32,7 +33,7 @@ def choose_backend(
     CUDA          bf16/fp16, forward only, ``triton`` importable  ``triton``
     CUDA          gradient needed                                 ``flex``
     CUDA          fp32, or no ``triton``                          ``flex``
-    CPU           ``Hq * T * T <= MAX_REFERENCE_SCORES``          ``reference``
+    CPU           ``Hq * sum(tree_len^2) <= MAX_REFERENCE_SCORES``  ``reference`` (tree by tree if needed)
     CPU           larger, no gradient needed                      ``flex``
     CPU           larger, gradient needed                         ``reference`` (raises its size error)
     ============  ==============================================  ============
@@ -57,7 +58,10 @@ def choose_backend(
             return "triton"
         return "flex"
     num_tokens, num_q_heads = int(query.shape[0]), int(query.shape[1])
-    fits_reference = num_q_heads * num_tokens * num_tokens <= MAX_REFERENCE_SCORES
+    # The reference runs tree by tree when the whole stream does not fit (trees never see each other), so what
+    # must fit is the sum over trees when the caller knows it.
+    scores = num_q_heads * num_tokens * num_tokens if reference_scores is None else reference_scores
+    fits_reference = scores <= MAX_REFERENCE_SCORES
     if fits_reference or needs_grad:
         return "reference"
     return "flex"
