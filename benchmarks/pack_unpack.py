@@ -26,7 +26,7 @@ from common import copy_bandwidth_gbps, cuda_time_ms, default_out_dir, fill_band
 
 from arctic_dedup import build_plan_from_layout, pack, unpack
 from arctic_dedup.layout import SampleLayout
-from arctic_dedup.packing._launch import launch_gather_rows, launch_segment_sum_rows
+from arctic_dedup.packing._launch import launch_gather_rows, launch_scatter_copies, launch_segment_sum_rows
 
 
 def _layout(prompt: int, responses: list[int], device: str) -> SampleLayout:
@@ -65,6 +65,11 @@ def main() -> None:
     write_gbps = fill_bandwidth_gbps()
     widths = {"hidden_2560": (2560,), "heads_32x128": (32, 128)}
     variants = [(2048, 512, 4)] if args.quick else list(itertools.product([2048, 4096, 8192], [512, 1024], [4, 8]))
+    scatter_variants = (
+        [(8, 1024, 4, False)]
+        if args.quick
+        else list(itertools.product([4, 8, 16], [512, 1024, 2048], [4, 8], [False, True]))
+    )
     rows = []
     for (case_name, layout), (width_name, trailing) in itertools.product(cases.items(), widths.items()):
         plan = build_plan_from_layout(layout)
@@ -104,6 +109,7 @@ def main() -> None:
                 {
                     "case": case_name,
                     "width": width_name,
+                    "formulation": "gather",
                     "elements_per_program": elements,
                     "max_block_cols": max_cols,
                     "num_warps": warps,
@@ -112,6 +118,28 @@ def main() -> None:
                     "unpack_row_copy_gbps": 2 * plan.num_sample_tokens * row_bytes / unpack_ms / 1e6,
                     "unpack_backward_ms": sum_ms,
                     "unpack_backward_gbps": sum_bytes / sum_ms / 1e6,
+                }
+            )
+        for copies, max_cols, warps, streaming in scatter_variants:
+            options = {
+                "copies_per_step": copies,
+                "max_block_cols": max_cols,
+                "num_warps": warps,
+                "streaming_stores": streaming,
+            }
+            assert torch.equal(launch_scatter_copies(flat_packed, plan.unpack_map, 0.0, **options), flat_sample)
+            unpack_ms = cuda_time_ms(
+                functools.partial(launch_scatter_copies, flat_packed, plan.unpack_map, 0.0, **options)
+            )
+            rows.append(
+                {
+                    "case": case_name,
+                    "width": width_name,
+                    "formulation": "scatter",
+                    **options,
+                    "unpack_ms": unpack_ms,
+                    "unpack_gbps": (distinct_sources + plan.num_sample_tokens) * row_bytes / unpack_ms / 1e6,
+                    "unpack_write_gbps": plan.num_sample_tokens * row_bytes / unpack_ms / 1e6,
                 }
             )
         torch_ms = cuda_time_ms(lambda fp=flat_packed, p=plan: fp.index_select(0, p.unpack_map.gather_index))
@@ -126,12 +154,27 @@ def main() -> None:
         )
     triton_rows = [row for row in rows if "num_warps" in row]
     best = max(triton_rows, key=lambda row: row["unpack_gbps"])
-    best_backward = max(triton_rows, key=lambda row: row["unpack_backward_gbps"])
+    best_backward = max(
+        (row for row in triton_rows if "unpack_backward_gbps" in row), key=lambda row: row["unpack_backward_gbps"]
+    )
+    best_by_shape = {
+        f"{case}/{width}": max(
+            (row for row in triton_rows if row["case"] == case and row["width"] == width),
+            key=lambda row: row["unpack_gbps"],
+        )
+        for case, width in itertools.product(cases, widths)
+    }
     summary = {
         "copy_gbps": copy_gbps,
         "write_only_gbps": write_gbps,
         "best_unpack_gbps": best["unpack_gbps"],
-        "best_unpack_variant": [best["elements_per_program"], best["max_block_cols"], best["num_warps"]],
+        "best_unpack_variant": {key: best[key] for key in best if key not in ("case", "width") and "_ms" not in key},
+        "worst_shape_best_unpack_gbps": min(row["unpack_gbps"] for row in best_by_shape.values()),
+        "worst_shape_copy_fraction": min(row["unpack_gbps"] for row in best_by_shape.values()) / copy_gbps,
+        "best_unpack_by_shape": {
+            shape: {key: value for key, value in row.items() if key not in ("case", "width")}
+            for shape, row in best_by_shape.items()
+        },
         "best_unpack_backward_gbps": best_backward["unpack_backward_gbps"],
         "copy_fraction": best["unpack_gbps"] / copy_gbps,
         "backward_copy_fraction": best_backward["unpack_backward_gbps"] / copy_gbps,
@@ -142,13 +185,16 @@ def main() -> None:
     path = write_results(args.out, "pack_unpack", summary, rows)
     _plot(rows, copy_gbps, write_gbps, args.out / "pack_unpack.png")
     print_table(
-        [row for row in rows if row.get("num_warps") == best["num_warps"] or "variant" in row][:16],
+        [*best_by_shape.values(), *(row for row in rows if "variant" in row)],
         [
             "case",
             "width",
+            "formulation",
             "elements_per_program",
+            "copies_per_step",
             "max_block_cols",
             "num_warps",
+            "streaming_stores",
             "variant",
             "unpack_gbps",
             "unpack_backward_gbps",
@@ -156,7 +202,8 @@ def main() -> None:
     )
     print(
         f"copy {copy_gbps:.0f} GB/s; best unpack {best['unpack_gbps']:.0f} GB/s = {summary['copy_fraction']:.1%}"
-        f" of copy; best backward {summary['backward_copy_fraction']:.1%}; wrote {path}"
+        f" of copy (worst shape {summary['worst_shape_copy_fraction']:.1%}); write-only {write_gbps:.0f} GB/s;"
+        f" best backward {summary['backward_copy_fraction']:.1%}; wrote {path}"
     )
 
 
@@ -172,15 +219,16 @@ def _plot(rows: list[dict], copy_gbps: float, write_gbps: float | None, path: Pa
     for row in rows:
         if "num_warps" not in row:
             continue
-        labels.append(
-            f"{row['case'][:4]}/{row['width'][:6]}\n{row['elements_per_program']}/{row['max_block_cols']}"
-            f"/w{row['num_warps']}"
-        )
+        if row.get("formulation", "gather") == "gather":
+            shape = f"g{row['elements_per_program']}/{row['max_block_cols']}"
+        else:
+            shape = f"s{row['copies_per_step']}/{row['max_block_cols']}{'cs' if row['streaming_stores'] else ''}"
+        labels.append(f"{row['case'][:4]}/{row['width'][:6]}\n{shape}/w{row['num_warps']}")
         forward.append(row["unpack_gbps"])
-        backward.append(row["unpack_backward_gbps"])
+        backward.append(row.get("unpack_backward_gbps", 0.0))
     figure, axis = plt.subplots(figsize=(max(8, len(labels) * 0.45), 4.5))
     positions = range(len(labels))
-    axis.bar([p - 0.2 for p in positions], forward, width=0.4, label="unpack (gather)")
+    axis.bar([p - 0.2 for p in positions], forward, width=0.4, label="unpack (g: gather, s: scatter from sources)")
     axis.bar([p + 0.2 for p in positions], backward, width=0.4, label="unpack backward (segment sum)")
     axis.axhline(copy_gbps, color="black", linestyle="--", label="device copy (read + write)")
     if write_gbps is not None:

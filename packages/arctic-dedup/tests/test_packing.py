@@ -47,6 +47,44 @@ def test_gather_and_segment_sum_match_the_reference(backend: str, dtype: torch.d
         assert torch.equal(summed, expected)
 
 
+@pytest.mark.usefixtures("poisoned_outputs")
+@settings(max_examples=30, deadline=None)
+@given(
+    rows_out=st.integers(0, 40),
+    sources=st.integers(0, 8),
+    row_size=st.sampled_from([1, 3, 16, 37, 1100]),
+    copies_per_step=st.sampled_from([1, 2, 8, 16]),
+    max_block_cols=st.sampled_from([16, 512]),
+    streaming_stores=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_scatter_copies_equals_the_gather(
+    rows_out: int,
+    sources: int,
+    row_size: int,
+    copies_per_step: int,
+    max_block_cols: int,
+    streaming_stores: bool,
+    seed: int,
+) -> None:
+    """The source-side formulation (one read per source row, all its copies stored from registers) is exact."""
+    generator = torch.Generator().manual_seed(seed)
+    index_map = _random_map(rows_out, sources, generator)
+    src = torch.randn(sources, row_size, generator=generator).to(torch.bfloat16)
+    out = _launch.launch_scatter_copies(
+        src,
+        index_map,
+        -3.0,
+        copies_per_step=copies_per_step,
+        max_block_cols=max_block_cols,
+        streaming_stores=streaming_stores,
+    )
+    if sources == 0:
+        assert torch.equal(out, torch.full((rows_out, row_size), -3.0, dtype=torch.bfloat16))
+    else:
+        assert torch.equal(out, reference_gather_rows(src, index_map.gather_index, -3.0))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gather_gradients_are_the_summed_copies(backend: str) -> None:
     generator = torch.Generator().manual_seed(0)

@@ -27,7 +27,9 @@ class IndexMap:
     gather_index ``[num_outputs]`` int64: the source row of every output row, or -1 (the output row is a fill
     value). copies_offsets ``[num_sources + 1]`` and copies_index ``[nnz]``: for source row ``s``, the output rows
     that copy it are ``copies_index[copies_offsets[s]:copies_offsets[s + 1]]`` (ascending). The transpose lets the
-    backward pass sum the copies of each source row without atomics, so it is deterministic.
+    backward pass sum the copies of each source row without atomics, so it is deterministic, and lets the forward
+    read each source row once and write all its copies. fill_index ``[num_outputs - nnz]``: the output rows with no
+    source (ascending).
     """
 
     gather_index: torch.Tensor
@@ -35,6 +37,7 @@ class IndexMap:
     copies_offsets: torch.Tensor
     copies_index: torch.Tensor
     max_copies: int
+    fill_index: torch.Tensor
 
     @property
     def num_outputs(self) -> int:
@@ -58,4 +61,5 @@ class IndexMap:
             copies_offsets=offsets,
             copies_index=order[:nnz],
             max_copies=max_copies,
+            fill_index=order[nnz:],
         )

@@ -6,7 +6,7 @@ import torch
 
 from arctic_dedup.index_map import IndexMap
 
-__all__ = ["launch_gather_rows", "launch_segment_sum_rows"]
+__all__ = ["launch_gather_rows", "launch_scatter_copies", "launch_segment_sum_rows"]
 
 
 def _next_power_of_two(value: int) -> int:
@@ -47,6 +47,50 @@ def launch_gather_rows(
         torch.full((1,), fill_value, dtype=src.dtype, device=src.device),
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
+        num_warps=num_warps,
+    )
+    return dst
+
+
+def launch_scatter_copies(
+    src: torch.Tensor,
+    index_map: IndexMap,
+    fill_value: float,
+    *,
+    copies_per_step: int = 8,
+    max_block_cols: int = 1024,
+    num_warps: int = 4,
+    streaming_stores: bool = False,
+) -> torch.Tensor:
+    """The same result as ``launch_gather_rows``, computed from the sources' side.
+
+    Each program reads one source row (one column block of it) once and stores it to all of its copies,
+    ``copies_per_step`` output rows per store instruction, so a row shared by many samples costs one read from
+    memory; output rows without a source get ``fill_value`` from one ``index_fill_``.
+    """
+    from arctic_dedup.packing._kernels import scatter_copies_kernel
+
+    src = src.contiguous()
+    row_size = src.shape[1]
+    dst = torch.empty((index_map.num_outputs, row_size), dtype=src.dtype, device=src.device)
+    if index_map.num_outputs == 0 or row_size == 0:
+        return dst
+    if index_map.fill_index.numel() > 0:
+        dst.index_fill_(0, index_map.fill_index, fill_value)
+    if index_map.num_sources == 0:
+        return dst
+    block_cols = _column_block(row_size, max_block_cols)
+    copies = max(1, min(copies_per_step, _next_power_of_two(max(1, index_map.max_copies))))
+    grid = (index_map.num_sources, triton_cdiv(row_size, block_cols))
+    scatter_copies_kernel[grid](
+        src,
+        dst,
+        index_map.copies_offsets,
+        index_map.copies_index,
+        row_size,
+        COPIES_PER_STEP=copies,
+        BLOCK_COLS=block_cols,
+        STREAMING_STORES=streaming_stores,
         num_warps=num_warps,
     )
     return dst
