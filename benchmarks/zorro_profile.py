@@ -1,0 +1,131 @@
+"""Where the time of a ZoRRO training step goes on the GPU: kernels by category, the GPU's idle share, top kernels.
+
+Profiles one warm step of the deduplicated run (Qwen3-4B shape, P=8192, G=16, R=512, the tree-attention backend
+given) and of the plain transformers + SDPA baseline over a few of the same samples, so the two can be compared per
+category (matrix multiplies, attention, fused elementwise, copies, pack/unpack, the rest) and per useful FLOP.
+
+Run on the H200:  python benchmarks/zorro_profile.py --out "$OUT"   (about a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import default_out_dir, run_metadata
+from zorro_train import (
+    PEAK_TFLOPS,
+    Options,
+    _cost_row,
+    build_model,
+    dedup_step,
+    group_batch,
+    hf_sdpa_step,
+    select_samples,
+)
+
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("pack/unpack", ("gather_rows", "segment_sum_rows", "scatter_copies")),
+    ("attention", ("flex", "triton_tem", "fmha", "flash", "attn", "tree_", "cudnn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "wgmma")),
+    ("inductor fused", ("triton_",)),
+    ("copies", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter")),
+    ("elementwise/reduce", ("elementwise", "vectorized", "reduce", "unrolled", "softmax", "norm")),
+)
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, needles in CATEGORIES:
+        if any(needle in lowered for needle in needles):
+            return label
+    return "other"
+
+
+def profile_step(step: Any, model: Any) -> dict[str, Any]:
+    model.zero_grad(set_to_none=True)
+    step()  # warm-up: compiles, caches
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    wall_ms = start.elapsed_time(end)
+    model.zero_grad(set_to_none=True)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        step()
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in profiler.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        microseconds = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        entry = per_kernel[event.name]
+        entry[0] += microseconds / 1000
+        entry[1] += 1
+    kernel_ms = sum(ms for ms, _ in per_kernel.values())
+    by_category: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in per_kernel.items():
+        by_category[category(name)] += ms
+    top = sorted(per_kernel.items(), key=lambda item: -item[1][0])[:30]
+    return {
+        "wall_ms": wall_ms,
+        "kernel_ms": kernel_ms,
+        "gpu_idle_fraction": max(0.0, 1 - kernel_ms / wall_ms),
+        "by_category_ms": dict(sorted(by_category.items(), key=lambda item: -item[1])),
+        "top_kernels": [{"name": name[:160], "ms": ms, "count": count} for name, (ms, count) in top],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=default_out_dir())
+    parser.add_argument("--backend", default="flex")
+    parser.add_argument("--baseline-samples", type=int, default=2)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("zorro_profile: needs a CUDA GPU; nothing measured.")
+        return
+    options = Options(device=torch.device("cuda"), repeats=1, quick=True, smoke=False)
+    model = build_model("dense", options)
+    prompts, responses = [8192], [[512] * 16]
+    batch = group_batch(prompts, responses, model.config.vocab_size, options.device)
+    cost, _ = _cost_row(model, prompts, responses)
+    dedup = profile_step(dedup_step(model, batch, args.backend), model)
+    dedup["tflops"] = cost.flops_dedup / dedup["wall_ms"] / 1e9
+    dedup["mfu"] = dedup["tflops"] / PEAK_TFLOPS
+    few = args.baseline_samples
+    baseline = profile_step(hf_sdpa_step(model, select_samples(batch, list(range(few)))), model)
+    baseline["scaled_to_samples"] = 16
+    baseline["tflops"] = cost.flops_base * few / 16 / baseline["wall_ms"] / 1e9
+    baseline["mfu"] = baseline["tflops"] / PEAK_TFLOPS
+    results = {"meta": run_metadata(), "backend": args.backend, "dedup": dedup, f"baseline_{few}_samples": baseline}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "zorro_profile.json"
+    path.write_text(json.dumps(results, indent=1))
+    for label, result in (("dedup", dedup), (f"hf sdpa x{few}", baseline)):
+        print(
+            f"{label}: wall {result['wall_ms']:.1f} ms, kernels {result['kernel_ms']:.1f} ms, "
+            f"idle {result['gpu_idle_fraction']:.1%}, {result['tflops']:.0f} TFLOP/s ({result['mfu']:.1%})"
+        )
+        for name, ms in result["by_category_ms"].items():
+            print(f"   {name:20s} {ms:9.2f} ms  {ms / result['kernel_ms']:6.1%}")
+        for kernel in result["top_kernels"][:12]:
+            print(f"   {kernel['ms']:9.2f} ms x{kernel['count']:<5d} {kernel['name'][:100]}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
