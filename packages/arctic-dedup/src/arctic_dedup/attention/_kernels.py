@@ -5,6 +5,12 @@ Layout: q/k/v/o/do are ``[T, H, D]`` with unit stride along D; lse and delta are
 from ``block_sparsity`` on ``kv_visible_until`` padded so that every block listed as *full* lies inside ``[0, T)``
 (its loads need no bounds mask); *partial* blocks carry the element mask, which also masks rows past ``T``.
 Scores live in the log2 domain: ``s2 = q.k * scale * log2(e)`` (after the softcap), so ``exp2`` replaces ``exp``.
+
+Backward ``FOLD`` (a launch option): the row statistics enter the matrix products as accumulator initial values,
+``dP - delta = dot(dO, V^T, acc=-delta)`` and, without a softcap, ``q.k - lse / scale = dot(q, K^T, acc=-lse / scale)``
+so that ``p = exp2(acc * scale * log2(e))``; the ``stats`` buffer then holds ``lse / scale`` (``lse * log2(e)`` with a
+softcap, where the score is not linear in ``q.k``). In the dK/dV kernel queries lie along the columns of the
+transposed tiles, so each thread would otherwise keep ``BLOCK_M / 4`` values of each statistic in registers.
 """
 
 import triton
@@ -225,11 +231,23 @@ def tree_attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dp_minus_delta(v, do, delta, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_M: tl.constexpr):  # fmt: skip
+    """``(dO V^T)^T - delta`` as ``[N, M]``; with ``FOLD`` delta is the product's initial accumulator."""
+    if FOLD:
+        return tl.dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - delta[None, :],
+                      input_precision=DOT_PRECISION)  # fmt: skip
+    return tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :]
+
+
+@triton.jit
 def _dkdv_blocks(
     dk,
     dv,
     k,
     v,
+    k_low,
+    k_high,
     q_head_ptr,
     do_head_ptr,
     dq_head_ptr,
@@ -252,8 +270,13 @@ def _dkdv_blocks(
     WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    FOLD: tl.constexpr,
+    DP_FIRST: tl.constexpr,
+    P_LOW: tl.constexpr,
+    DQ_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -276,27 +299,55 @@ def _dkdv_blocks(
         if UPCAST:
             qT = qT.to(tl.float32)
             do = do.to(tl.float32)
-        lse2 = tl.load(lse_head_ptr + offs_m, mask=row_ok, other=0.0) * LOG2E
+        stat = tl.load(lse_head_ptr + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(delta_head_ptr + offs_m, mask=row_ok, other=0.0)
         # Transposed scores [N, M]: keys are rows here, so dK and dV accumulate without a transpose.
-        sT, dcap = _scores(k, qT, scale, softcap, SOFTCAP, DOT_PRECISION)
-        pT = tl.exp2(sT - lse2[None, :])
+        if FOLD and not SOFTCAP:
+            shifted = tl.dot(k, qT, tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - stat[None, :],
+                             input_precision=DOT_PRECISION)  # fmt: skip
+            log2_pT = shifted * (scale * LOG2E)
+            dcap = log2_pT
+        else:
+            sT, dcap = _scores(k, qT, scale, softcap, SOFTCAP, DOT_PRECISION)
+            lse2 = stat if FOLD else stat * LOG2E
+            log2_pT = sT - lse2[None, :]
+        if DP_FIRST:
+            # Both products of the step before any exponential (the flash-attention 2 order): the fp32 tiles live
+            # one after the other instead of next to an in-flight dV product's operand.
+            dpT_minus_delta = _dp_minus_delta(v, do, delta, FOLD, DOT_PRECISION, BLOCK_N, BLOCK_M)
+        pT = tl.exp2(log2_pT)
         if MASKED:
             visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < until_n[:, None])
             if WINDOW:
                 pos_m = tl.load(pos_ptr + offs_m, mask=row_ok, other=0)
                 visible = visible & ((pos_m[None, :] - pos_n[:, None]) < window)
             pT = tl.where(visible, pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
+        pT_low = pT.to(do.dtype)
+        if P_LOW:
+            # dS from the rounded P (the operand dV uses anyway): no fp32 copy of P stays live.
+            pT = pT_low.to(tl.float32)
+        if not DP_FIRST:
+            dv = tl.dot(pT_low, do, dv, input_precision=DOT_PRECISION)
+            dpT_minus_delta = _dp_minus_delta(v, do, delta, FOLD, DOT_PRECISION, BLOCK_N, BLOCK_M)
+        dsT = pT * dpT_minus_delta
         if SOFTCAP:
             dsT = dsT * dcap
+        if DP_FIRST:
+            dv = tl.dot(pT_low, do, dv, input_precision=DOT_PRECISION)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION) * scale
-            dq_ptrs = dq_head_ptr + offs_m[:, None] * stride_dqt + offs_d[None, :]
-            tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+            ds = tl.trans(dsT.to(k.dtype))
+            dq_rows = dq_head_ptr + offs_m[:, None] * stride_dqt
+            if DQ_SPLIT:
+                # Two [M, D/2] products and atomic adds: half the fp32 tile (and its layout change) live at a time.
+                half = tl.arange(0, HEAD_DIM // 2)
+                dq = tl.dot(ds, k_low, input_precision=DOT_PRECISION) * scale
+                tl.atomic_add(dq_rows + half[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+                dq = tl.dot(ds, k_high, input_precision=DOT_PRECISION) * scale
+                tl.atomic_add(dq_rows + HEAD_DIM // 2 + half[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+            else:
+                dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
+                tl.atomic_add(dq_rows + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -345,6 +396,10 @@ def tree_attention_bwd_dkdv_kernel(
     WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    FOLD: tl.constexpr,
+    DP_FIRST: tl.constexpr,
+    P_LOW: tl.constexpr,
+    DQ_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program per (key block, kv head): dK and dV summed over the whole query-head group, no atomics."""
@@ -362,6 +417,16 @@ def tree_attention_bwd_dkdv_kernel(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    k_low = k
+    k_high = k
+    if ATOMIC_DQ and DQ_SPLIT:
+        half = tl.arange(0, HEAD_DIM // 2)
+        k_half_ptrs = k_ptr + offs_n[:, None] * stride_kt + kv_head * stride_kh + half[None, :]
+        k_low = tl.load(k_half_ptrs, mask=key_ok[:, None], other=0.0)
+        k_high = tl.load(k_half_ptrs + HEAD_DIM // 2, mask=key_ok[:, None], other=0.0)
+        if UPCAST:
+            k_low = k_low.to(tl.float32)
+            k_high = k_high.to(tl.float32)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     full_row = full_idx_ptr + key_block * stride_index
@@ -376,16 +441,18 @@ def tree_attention_bwd_dkdv_kernel(
         lse_head_ptr = lse_ptr + head * num_tokens
         delta_head_ptr = delta_ptr + head * num_tokens
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_head_ptr, do_head_ptr, dq_head_ptr, lse_head_ptr, delta_head_ptr,
+            dk, dv, k, v, k_low, k_high, q_head_ptr, do_head_ptr, dq_head_ptr, lse_head_ptr, delta_head_ptr,
             stride_qt, stride_dot, stride_dqt, full_row, full_count, offs_n, until_ptr, pos_ptr,
             num_tokens, scale, softcap, window,
-            False, SOFTCAP, WINDOW, UPCAST, ATOMIC_DQ, DOT_PRECISION, BLOCK_M, HEAD_DIM,
+            False, SOFTCAP, WINDOW, UPCAST, ATOMIC_DQ, FOLD, DP_FIRST, P_LOW, DQ_SPLIT,
+            DOT_PRECISION, BLOCK_M, BLOCK_N, HEAD_DIM,
         )  # fmt: skip
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_head_ptr, do_head_ptr, dq_head_ptr, lse_head_ptr, delta_head_ptr,
+            dk, dv, k, v, k_low, k_high, q_head_ptr, do_head_ptr, dq_head_ptr, lse_head_ptr, delta_head_ptr,
             stride_qt, stride_dot, stride_dqt, part_row, part_count, offs_n, until_ptr, pos_ptr,
             num_tokens, scale, softcap, window,
-            True, SOFTCAP, WINDOW, UPCAST, ATOMIC_DQ, DOT_PRECISION, BLOCK_M, HEAD_DIM,
+            True, SOFTCAP, WINDOW, UPCAST, ATOMIC_DQ, FOLD, DP_FIRST, P_LOW, DQ_SPLIT,
+            DOT_PRECISION, BLOCK_M, BLOCK_N, HEAD_DIM,
         )  # fmt: skip
     dk = dk * scale
     tl.store(
@@ -405,7 +472,7 @@ def _dq_blocks(
     dq,
     q,
     do,
-    lse2,
+    stat,
     delta,
     k_head_ptr,
     v_head_ptr,
@@ -425,7 +492,9 @@ def _dq_blocks(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
+    FOLD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
@@ -445,13 +514,23 @@ def _dq_blocks(
         if UPCAST:
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
-        s, dcap = _scores(q, kT, scale, softcap, SOFTCAP, DOT_PRECISION)
-        p = tl.exp2(s - lse2[:, None])
+        if FOLD and not SOFTCAP:
+            shifted = tl.dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], tl.float32) - stat[:, None],
+                             input_precision=DOT_PRECISION)  # fmt: skip
+            p = tl.exp2(shifted * (scale * LOG2E))
+            dcap = p
+        else:
+            s, dcap = _scores(q, kT, scale, softcap, SOFTCAP, DOT_PRECISION)
+            p = tl.exp2(s - stat[:, None])
         if MASKED:
             visible = _tree_mask(offs_m, offs_n, until_ptr, pos_ptr, pos_m, num_tokens, window, WINDOW)
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        if FOLD:
+            ds = p * tl.dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], tl.float32) - delta[:, None],
+                            input_precision=DOT_PRECISION)  # fmt: skip
+        else:
+            dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * dcap
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PRECISION)
@@ -496,6 +575,7 @@ def tree_attention_bwd_dq_kernel(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
+    FOLD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program per (query block, query head): dQ over the block's key lists, a fixed order, no atomics."""
@@ -514,23 +594,25 @@ def tree_attention_bwd_dq_kernel(
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2 = tl.load(lse_ptr + head * num_tokens + offs_m, mask=row_ok, other=0.0) * LOG2E
+    stat = tl.load(lse_ptr + head * num_tokens + offs_m, mask=row_ok, other=0.0)
+    if not FOLD:
+        stat = stat * LOG2E
     delta = tl.load(delta_ptr + head * num_tokens + offs_m, mask=row_ok, other=0.0)
     pos_m = tl.load(pos_ptr + offs_m, mask=row_ok, other=0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
     dq = _dq_blocks(
-        dq, q, do, lse2, delta, k_head_ptr, v_head_ptr, stride_kt, stride_vt,
+        dq, q, do, stat, delta, k_head_ptr, v_head_ptr, stride_kt, stride_vt,
         full_idx_ptr + q_block * stride_index, tl.load(full_num_ptr + q_block),
         offs_m, pos_m, until_ptr, pos_ptr, num_tokens, scale, softcap, window,
-        False, SOFTCAP, WINDOW, UPCAST, DOT_PRECISION, BLOCK_N, HEAD_DIM,
+        False, SOFTCAP, WINDOW, UPCAST, FOLD, DOT_PRECISION, BLOCK_M, BLOCK_N, HEAD_DIM,
     )  # fmt: skip
     dq = _dq_blocks(
-        dq, q, do, lse2, delta, k_head_ptr, v_head_ptr, stride_kt, stride_vt,
+        dq, q, do, stat, delta, k_head_ptr, v_head_ptr, stride_kt, stride_vt,
         part_idx_ptr + q_block * stride_index, tl.load(part_num_ptr + q_block),
         offs_m, pos_m, until_ptr, pos_ptr, num_tokens, scale, softcap, window,
-        True, SOFTCAP, WINDOW, UPCAST, DOT_PRECISION, BLOCK_N, HEAD_DIM,
+        True, SOFTCAP, WINDOW, UPCAST, FOLD, DOT_PRECISION, BLOCK_M, BLOCK_N, HEAD_DIM,
     )  # fmt: skip
     tl.store(
         dq_ptr + offs_m[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,15 @@ class TritonConfig:
 
     ``atomic_dq``: the dK/dV kernel also adds dQ with fp32 atomics (5 matmuls per tile instead of 7 across two
     kernels) when the call is not ``deterministic``.
+    ``fold_statistics``: the backward kernels start the score and ``dP`` products from ``-lse / scale`` and
+    ``-delta`` instead of subtracting per-query vectors afterwards (fewer registers in the dK/dV kernel, where each
+    thread holds ``bwd_block_m / 4`` values of each vector; one multiply less per score).
+    ``dp_first``: the dK/dV kernel computes both ``K Q^T`` and ``V dO^T`` before the exponentials (flash-attention 2
+    order) instead of issuing the dV product in between.
+    ``p_low_precision``: the dK/dV kernel forms dS from P rounded to the input dtype (the dV operand) and keeps no
+    fp32 copy of P; no effect on fp32 inputs.
+    ``split_atomic_dq``: with ``atomic_dq``, each tile's dQ share is two ``[bwd_block_m, D/2]`` products and atomic
+    adds (half the fp32 tile live at a time; K's halves take another ``bwd_block_n * D`` elements of shared memory).
     """
 
     block_m: int = 128
@@ -40,6 +50,10 @@ class TritonConfig:
     dq_num_warps: int = 8
     dq_num_stages: int = 2
     atomic_dq: bool = False
+    fold_statistics: bool = False
+    dp_first: bool = False
+    p_low_precision: bool = False
+    split_atomic_dq: bool = False
 
     def validate(self) -> None:
         for name in ("block_m", "block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
@@ -148,6 +162,14 @@ def _positions(plan: Plan, sliding_window: int | None) -> torch.Tensor:
     return plan.position_ids.to(torch.int32)
 
 
+def _backward_statistics(lse: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """What the backward kernels read per query with ``fold_statistics``: ``lse / scale`` (subtracted from ``q.k``
+    inside the product) or, with a softcap, ``lse * log2(e)`` (subtracted from the log2-domain score)."""
+    if softcap is None:
+        return lse / scale
+    return lse * math.log2(math.e)
+
+
 def launch_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -191,6 +213,8 @@ def launch_backward(
     upcast = _upcast(query.dtype)
     precision = _dot_precision(query.dtype)
     positions = _positions(plan, sliding_window)
+    fold = config.fold_statistics
+    statistics = _backward_statistics(lse, scale, softcap) if fold else lse
     atomic = config.atomic_dq and not deterministic
     dk = _empty(tuple(key.shape), key.dtype, device)
     dv = _empty(tuple(value.shape), value.dtype, device)
@@ -200,7 +224,7 @@ def launch_backward(
         dq_accumulator = _empty(tuple(query.shape), query.dtype, device)
     tables: KernelTables = kernel_tables(plan, config.bwd_block_m, config.bwd_block_n, sliding_window)
     tree_attention_bwd_dkdv_kernel[(num_kv_heads, tables.num_k_blocks)](
-        query, key, value, grad_out, lse, delta, dq_accumulator, dk, dv,
+        query, key, value, grad_out, statistics, delta, dq_accumulator, dk, dv,
         tables.q_full_num, tables.q_full_indices, tables.q_part_num, tables.q_part_indices, tables.k_block_order,
         plan.kv_visible_until, positions,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -208,7 +232,9 @@ def launch_backward(
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), tables.q_full_indices.stride(0),
         num_tokens, float(scale), cap, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n,
-        SOFTCAP=use_cap, WINDOW=use_window, UPCAST=upcast, ATOMIC_DQ=atomic, DOT_PRECISION=precision,
+        SOFTCAP=use_cap, WINDOW=use_window, UPCAST=upcast, ATOMIC_DQ=atomic, FOLD=fold,
+        DP_FIRST=config.dp_first, P_LOW=config.p_low_precision,
+        DQ_SPLIT=config.split_atomic_dq, DOT_PRECISION=precision,
         num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
     )  # fmt: skip
     if atomic:
@@ -216,14 +242,14 @@ def launch_backward(
     dq = dq_accumulator
     dq_tables = kernel_tables(plan, config.dq_block_m, config.dq_block_n, sliding_window)
     tree_attention_bwd_dq_kernel[(num_q_heads, dq_tables.num_q_blocks)](
-        query, key, value, grad_out, lse, delta, dq,
+        query, key, value, grad_out, statistics, delta, dq,
         dq_tables.kv_full_num, dq_tables.kv_full_indices, dq_tables.kv_part_num, dq_tables.kv_part_indices,
         dq_tables.q_block_order, plan.kv_visible_until, positions,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dq_tables.kv_full_indices.stride(0),
         num_tokens, float(scale), cap, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n,
-        SOFTCAP=use_cap, WINDOW=use_window, UPCAST=upcast, DOT_PRECISION=precision,
+        SOFTCAP=use_cap, WINDOW=use_window, UPCAST=upcast, FOLD=fold, DOT_PRECISION=precision,
         num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
     )  # fmt: skip
     return dq, dk, dv
