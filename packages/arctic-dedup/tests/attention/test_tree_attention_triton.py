@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tree_attention_cases import CPU_CASES, Case, deep_trie_plan, make_inputs, random_tree_plan
+from tree_attention_cases import CPU_CASES, Case, deep_trie_plan, make_inputs, prompt_groups_plan, random_tree_plan
 
 from arctic_dedup._triton_support import interpreting, triton_available
 from arctic_dedup.attention import _launch, tree_attention
@@ -131,3 +133,58 @@ def test_triton_branch_isolation_is_bit_exact() -> None:
 def test_triton_random_trees(seed: int, window: int | None) -> None:
     plan = random_tree_plan(seed, max_segment=7)
     _compare(plan, 2, 1, 16, seed=seed, sliding_window=window)
+
+
+# The backward launch options the benchmark's --bwd-sweep compares; each must stay exact in fp32.
+BACKWARD_VARIANTS = {
+    "fold": {"fold_statistics": True},
+    "fold_dp_first": {"fold_statistics": True, "dp_first": True},
+    "p_low_dp_first": {"p_low_precision": True, "dp_first": True},
+    "atomic_fold": {"atomic_dq": True, "fold_statistics": True},
+    "atomic_split": {"atomic_dq": True, "split_atomic_dq": True, "fold_statistics": True, "dp_first": True},
+    "atomic_split_p_low": {"atomic_dq": True, "split_atomic_dq": True, "dp_first": True, "p_low_precision": True},
+}
+_SMALL_TILES = TritonConfig(
+    block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=32, dq_block_m=32, dq_block_n=16, num_warps=1
+)
+
+
+def _ragged_plan():  # type: ignore[no-untyped-def]
+    # Prompts and responses whose lengths are multiples of no block size; an empty response.
+    return prompt_groups_plan([37, 5], [[0, 19, 3, 41], [7]])
+
+
+@pytest.mark.parametrize("variant", list(BACKWARD_VARIANTS))
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(2, 64), (1, 128)], ids=["gqa2_d64", "mqa_d128"])
+def test_triton_backward_variants(variant: str, num_kv_heads: int, head_dim: int) -> None:
+    config = replace(_SMALL_TILES, **BACKWARD_VARIANTS[variant])
+    _compare(_ragged_plan(), 4, num_kv_heads, head_dim, config=config, deterministic=not config.atomic_dq)
+
+
+@pytest.mark.parametrize("variant", ["fold_dp_first", "atomic_split", "atomic_split_p_low"])
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_triton_backward_variants_window_softcap_lse(variant: str, options: dict) -> None:
+    config = replace(_SMALL_TILES, **BACKWARD_VARIANTS[variant])
+    _compare(deep_trie_plan(), 4, 2, 32, config=config, deterministic=not config.atomic_dq, use_lse_in_loss=True,
+             **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["fold_dp_first", "atomic_split"])
+def test_triton_backward_variants_gpu_tiles(variant: str) -> None:
+    """The tile shapes the H200 runs (64 query rows, 128 keys) on a plan longer than one key block."""
+    config = replace(_SMALL_TILES, bwd_block_m=64, bwd_block_n=128, dq_block_m=64, dq_block_n=64,
+                     **BACKWARD_VARIANTS[variant])  # fmt: skip
+    plan = prompt_groups_plan([150], [[1, 70, 33]])
+    _compare(plan, 4, 2, 64, config=config, deterministic=not config.atomic_dq)
+
+
+def test_triton_deterministic_ignores_atomic_variant() -> None:
+    """deterministic=True never takes the atomic path, whatever the config asks for: bitwise repeatable."""
+    config = replace(_SMALL_TILES, **BACKWARD_VARIANTS["atomic_split"])
+    plan = _ragged_plan()
+    q, k, v = make_inputs(plan, 4, 2, 32, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        out, _ = triton_tree_attention(q, k, v, plan, scale=0.2, deterministic=True, config=config)
+        runs.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -34,7 +34,8 @@ class TritonConfig:
     ``p_low_precision``: the dK/dV kernel forms dS from P rounded to the input dtype (the dV operand) and keeps no
     fp32 copy of P; no effect on fp32 inputs.
     ``split_atomic_dq``: with ``atomic_dq``, each tile's dQ share is two ``[bwd_block_m, D/2]`` products and atomic
-    adds (half the fp32 tile live at a time; K's halves take another ``bwd_block_n * D`` elements of shared memory).
+    adds (half the fp32 tile live at a time; K's halves take another ``bwd_block_n * D`` elements of shared memory);
+    head dims below 32 ignore it (a product needs 16 columns).
     """
 
     block_m: int = 128
@@ -234,7 +235,7 @@ def launch_backward(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n,
         SOFTCAP=use_cap, WINDOW=use_window, UPCAST=upcast, ATOMIC_DQ=atomic, FOLD=fold,
         DP_FIRST=config.dp_first, P_LOW=config.p_low_precision,
-        DQ_SPLIT=config.split_atomic_dq, DOT_PRECISION=precision,
+        DQ_SPLIT=config.split_atomic_dq and head_dim >= 32, DOT_PRECISION=precision,
         num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
     )  # fmt: skip
     if atomic:
