@@ -64,11 +64,12 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     write_gbps = fill_bandwidth_gbps()
     widths = {"hidden_2560": (2560,), "heads_32x128": (32, 128)}
-    variants = [(2048, 512, 4)] if args.quick else list(itertools.product([2048, 4096, 8192], [512, 1024], [4, 8]))
+    # The first sweep (2026-11-30, 05:55 UTC) found wider column blocks and streaming stores best for the scatter
+    # formulation and 8192/512/8 best for the gather; this sweep keeps the front of that sweep and adds 4096 columns
+    # (a whole 2560-wide row per program).
+    variants = [(2048, 512, 4)] if args.quick else [(8192, 512, 8), (4096, 1024, 4)]
     scatter_variants = (
-        [(8, 1024, 4, False)]
-        if args.quick
-        else list(itertools.product([4, 8, 16], [512, 1024, 2048], [4, 8], [False, True]))
+        [(4, 2048, 4, True)] if args.quick else list(itertools.product([4, 8], [1024, 2048, 4096], [4, 8], [True]))
     )
     rows = []
     for (case_name, layout), (width_name, trailing) in itertools.product(cases.items(), widths.items()):

@@ -103,10 +103,14 @@ class Options:
     repeats: int
     quick: bool
     smoke: bool
+    dedup_choice: tuple[str, ...] = ()
+    baselines: tuple[str, ...] = ("varlen", "hf_sdpa")
 
     @property
     def dedup_backends(self) -> tuple[str, ...]:
-        return ("flex", "triton", "varlen") if self.device.type == "cuda" else ("reference",)
+        if self.device.type != "cuda":
+            return ("reference",)
+        return self.dedup_choice or ("flex", "triton", "varlen")
 
     @property
     def baseline_backend(self) -> str:
@@ -320,15 +324,17 @@ def compare(
         "flop_bound": cost.flop_bound,
         "token_bound": cost.token_bound,
     }
-    variants: list[tuple[str, str, Callable[[], None], float]] = [
-        (
-            "baseline",
-            options.baseline_backend,
-            baseline_step(model, batch, options.baseline_backend, 1),
-            cost.flops_base,
+    variants: list[tuple[str, str, Callable[[], None], float]] = []
+    if "varlen" in options.baselines or not with_hf_baseline:
+        variants.append(
+            (
+                "baseline",
+                options.baseline_backend,
+                baseline_step(model, batch, options.baseline_backend, 1),
+                cost.flops_base,
+            )
         )
-    ]
-    if with_hf_baseline:
+    if with_hf_baseline and "hf_sdpa" in options.baselines:
         variants.append(("baseline", "hf_sdpa", hf_sdpa_step(model, batch), cost.flops_base))
     for backend in options.dedup_backends:
         variants.append(("dedup", backend, dedup_step(model, batch, backend), cost.flops_dedup))
@@ -706,6 +712,20 @@ def main() -> int:
         default=Path(__file__).parent / "results" / f"{NAME}.json",
         help="earlier results whose other sections are kept (default: the committed results file)",
     )
+    parser.add_argument(
+        "--dedup-backends",
+        nargs="*",
+        default=[],
+        choices=["flex", "triton", "varlen"],
+        help="tree-attention backends timed for the dedup run (default: all three)",
+    )
+    parser.add_argument(
+        "--baselines",
+        nargs="*",
+        default=["varlen", "hf_sdpa"],
+        choices=["varlen", "hf_sdpa"],
+        help="non-dedup baselines timed (the faster one is the baseline)",
+    )
     args = parser.parse_args()
     if args.plot_from is not None:
         results = json.loads(args.plot_from.read_text())
@@ -716,7 +736,14 @@ def main() -> int:
     if device.type != "cuda" and not args.smoke:
         print("zorro_train benchmark: needs a CUDA GPU (use --smoke for a CPU check of the code paths)")
         return 1
-    options = Options(device=device, repeats=2 if (args.quick or args.smoke) else 3, quick=args.quick, smoke=args.smoke)
+    options = Options(
+        device=device,
+        repeats=2 if (args.quick or args.smoke) else 3,
+        quick=args.quick,
+        smoke=args.smoke,
+        dedup_choice=tuple(args.dedup_backends),
+        baselines=tuple(args.baselines),
+    )
     runners: dict[str, Callable[[], list[dict[str, Any]]]] = {
         "dense": lambda: section_dense(options, ragged=False),
         "ragged": lambda: section_dense(options, ragged=True),
