@@ -1,6 +1,8 @@
 """Tree attention on one GPU: correctness of every backend, a Triton tile sweep, and useful TFLOP/s.
 
     python benchmarks/tree_attention.py [--out DIR] [--quick] [--budget-s SECONDS]
+    python benchmarks/tree_attention.py --bwd-sweep [--out DIR]     # backward variants only (about 3 minutes)
+    python benchmarks/tree_attention.py --compile-report            # no GPU: sm_90 registers of those variants
 
 Useful work (the FLOP formula every TFLOP/s number here uses): a visible (query, key) pair costs ``2 * D`` FLOPs
 for ``q.k`` and ``2 * D`` for ``p.v`` per query head, so
@@ -21,6 +23,12 @@ Sections (each guarded: an error is recorded in the JSON and the run goes on; a 
      plan and metadata build times as a fraction of the attention time;
   4. a long-prompt check: Triton against FlexAttention and against an exact fp32 computation of sampled rows.
 Writes ``<out>/tree_attention.json`` (after every section) and ``tree_attention.png``; prints a table last.
+
+``--bwd-sweep`` runs only the backward variants (``BACKWARD_VARIANTS``: tiles, stages and the launcher's backward
+options) at P=8192 G=16 R=512: each is first checked against FlexAttention's gradients (relative error below 1e-2,
+the bound the GPU tests hold Triton to against FlexAttention), then its backward alone is timed; writes
+``<out>/tree_attention_bwd_sweep.json``. ``--compile-report`` compiles the same variants for sm_90 without a device
+(Triton's bundled ptxas) and prints registers, spill bytes and shared memory.
 """
 
 from __future__ import annotations
@@ -44,8 +52,15 @@ from common import cuda_time_ms, default_out_dir, print_table, run_metadata, wri
 
 from arctic_dedup import Plan, build_plan_from_layout
 from arctic_dedup.attention import tree_attention, tree_attention_reference
-from arctic_dedup.attention._launch import TritonConfig, default_triton_config, launch_backward, launch_forward
+from arctic_dedup.attention._launch import (
+    TritonConfig,
+    default_triton_config,
+    launch_backward,
+    launch_forward,
+    with_overrides,
+)
 from arctic_dedup.attention._tables import build_kernel_tables
+from arctic_dedup.attention.auto import TreeAttentionBackend
 from arctic_dedup.attention.function import triton_tree_attention
 from arctic_dedup.attention_meta import block_sparsity
 from arctic_dedup.layout import SampleLayout
@@ -61,6 +76,7 @@ FORMULA = "useful_fwd = 4*D*Hq*pairs; useful_bwd = 2.5*useful_fwd; useful_fwd_bw
 class Run:
     out_dir: Path
     budget_s: float
+    name: str = NAME
     started: float = field(default_factory=time.time)
     rows: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -72,7 +88,7 @@ class Run:
     def save(self) -> None:
         self.summary["errors"] = self.errors
         self.summary["elapsed_s"] = round(time.time() - self.started, 1)
-        write_results(self.out_dir, NAME, self.summary, self.rows)
+        write_results(self.out_dir, self.name, self.summary, self.rows)
 
     def attempt(self, what: str, fn: Callable[[], Any], need_s: float = 0.0) -> Any:
         """Run ``fn`` unless the budget is spent (returns None then); record (not raise) its errors."""
@@ -373,6 +389,260 @@ def section_sweep(run: Run, plan: Plan, base: TritonConfig) -> Configs:
     return Configs(best, best_atomic)
 
 
+# ---------------------------------------------------------------------------------------- backward variants sweep
+
+# (name, deterministic, launcher overrides of the default config). "det": the dK/dV kernel plus the dQ kernel (7
+# tile products); "atomic": dQ added by the dK/dV kernel with fp32 atomics (5 products). The options are described
+# on ``TritonConfig``; registers measured offline are in benchmarks/results/tree_attention_notes.md.
+_FOLD: dict[str, int | bool] = {"fold_statistics": True, "dp_first": True}
+_ATOMIC: dict[str, int | bool] = {"atomic_dq": True, "split_atomic_dq": True, "bwd_block_m": 64, **_FOLD}
+BACKWARD_VARIANTS: list[tuple[str, bool, dict[str, int | bool]]] = [
+    ("det_baseline", True, {}),
+    ("det_fold", True, _FOLD),
+    ("det_fold_s3", True, {**_FOLD, "bwd_num_stages": 3}),
+    ("det_m64", True, {**_FOLD, "bwd_block_m": 64}),
+    ("det_m64_plow", True, {**_FOLD, "bwd_block_m": 64, "p_low_precision": True}),
+    ("det_m64_s3_flex_tiles", True, {**_FOLD, "bwd_block_m": 64, "bwd_num_stages": 3, "dq_num_stages": 3}),
+    ("atomic_m64", False, _ATOMIC),
+    ("atomic_m64_s3", False, {**_ATOMIC, "bwd_num_stages": 3}),
+    ("atomic_m64_plow", False, {**_ATOMIC, "p_low_precision": True}),
+    ("atomic_m64_unsplit", False, {**_ATOMIC, "split_atomic_dq": False}),
+]
+# Relative error of each gradient against FlexAttention's (both bf16): the bound test_gpu_long_prompt_32k uses.
+SWEEP_TOLERANCE = 1e-2
+
+
+def backward_variants(base: TritonConfig) -> list[tuple[str, TritonConfig, bool]]:
+    return [
+        (name, with_overrides(base, **overrides), deterministic) for name, deterministic, overrides in BACKWARD_VARIANTS
+    ]
+
+
+def _compiled_backward_kernels() -> dict[int, tuple[str, Any]]:
+    """Every compiled dK/dV and dQ kernel in Triton's in-process caches, by object id (registers come from there;
+    the cache layout is Triton's internal, so anything unexpected yields nothing)."""
+    from arctic_dedup.attention import _kernels
+
+    found: dict[int, tuple[str, Any]] = {}
+    for kernel in ("tree_attention_bwd_dkdv_kernel", "tree_attention_bwd_dq_kernel"):
+        caches = getattr(getattr(_kernels, kernel), "device_caches", {})
+        for cache in caches.values():
+            compiled = cache[0] if isinstance(cache, tuple) else cache
+            if isinstance(compiled, dict):
+                for value in compiled.values():
+                    found[id(value)] = (kernel.removeprefix("tree_attention_bwd_").removesuffix("_kernel"), value)
+    return found
+
+
+def _register_key(kernel: str, config: TritonConfig, deterministic: bool) -> tuple:
+    if kernel == "dq":
+        return ("dq", config.dq_block_m, config.dq_block_n, config.dq_num_warps, config.dq_num_stages,
+                config.fold_statistics)  # fmt: skip
+    forward_free = replace(config, block_m=0, block_n=0, num_warps=0, num_stages=0)
+    return ("dkdv", tuple(asdict(forward_free).items()), deterministic)
+
+
+def section_backward_sweep(
+    run: Run, plan: Plan, base: TritonConfig, reference_backend: TreeAttentionBackend = "flex"
+) -> None:
+    """Each backward variant: gradients against ``reference_backend``'s, then the backward alone (median ms)."""
+    q, k, v = _inputs(plan, seed=29)
+    grad = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
+    scale = HEAD_DIM**-0.5
+    useful_bwd = 2.5 * 4 * HEAD_DIM * HEADS_Q * useful_pairs(plan)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    q_leaf, k_leaf, v_leaf = leaves
+    reference_out = tree_attention(q_leaf, k_leaf, v_leaf, plan, backend=reference_backend)
+    reference_grads = torch.autograd.grad(reference_out, leaves, grad, retain_graph=True)
+    reference_ms = cuda_time_ms(
+        lambda: torch.autograd.grad(reference_out, leaves, grad, retain_graph=True), warmup=3, repeats=10
+    )
+    triton_forward_ms = cuda_time_ms(
+        lambda: triton_tree_attention(q_leaf, k_leaf, v_leaf, plan, scale=scale, config=base), warmup=3, repeats=10
+    )
+    reference_forward_ms = cuda_time_ms(
+        lambda: tree_attention(q_leaf, k_leaf, v_leaf, plan, backend=reference_backend),
+        warmup=3,
+        repeats=10,
+    )
+    run.summary.update(
+        {
+            "reference_backend": reference_backend,
+            "reference_bwd_ms": reference_ms,
+            "reference_fwd_ms": reference_forward_ms,
+            "triton_fwd_ms": triton_forward_ms,
+            "tolerance": SWEEP_TOLERANCE,
+        }
+    )
+    print(f"{reference_backend}: fwd {reference_forward_ms:.2f} ms, bwd {reference_ms:.2f} ms; triton fwd "
+          f"{triton_forward_ms:.2f} ms", flush=True)  # fmt: skip
+    out, lse = launch_forward(q, k, v, plan, scale=scale, sliding_window=None, softcap=None, config=base)
+    registers: dict[tuple, tuple[int | None, int | None]] = {}
+
+    def backward(config: TritonConfig, deterministic: bool) -> tuple[torch.Tensor, ...]:
+        return launch_backward(
+            grad, q, k, v, out, lse, None, plan, scale=scale, sliding_window=None, softcap=None, config=config,
+            deterministic=deterministic,
+        )  # fmt: skip
+
+    def measure(name: str, config: TritonConfig, deterministic: bool) -> None:
+        before = _compiled_backward_kernels()
+        grads = backward(config, deterministic)
+        torch.cuda.synchronize()
+        for key, (kernel, compiled) in _compiled_backward_kernels().items():
+            if key not in before:
+                regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+                registers[_register_key(kernel, config, deterministic)] = (regs, spills)
+        errors = {
+            f"{label}_rel_error": _relative_error(got, want)
+            for label, got, want in zip(("dq", "dk", "dv"), grads, reference_grads)
+        }
+        finite = all(bool(torch.isfinite(t).all()) for t in grads)
+        del grads
+        milliseconds = cuda_time_ms(lambda: backward(config, deterministic), warmup=3, repeats=10)
+        dkdv = registers.get(_register_key("dkdv", config, deterministic), (None, None))
+        dq = registers.get(_register_key("dq", config, deterministic), (None, None)) if deterministic else (None, None)
+        run.rows.append(
+            {
+                "section": "bwd_sweep",
+                "variant": name,
+                "deterministic": deterministic,
+                "config": asdict(config),
+                "passed": finite and all(error < SWEEP_TOLERANCE for error in errors.values()),
+                **errors,
+                "dkdv_regs": dkdv[0],
+                "dkdv_spills": dkdv[1],
+                "dq_regs": dq[0],
+                "dq_spills": dq[1],
+                "bwd_ms": milliseconds,
+                "useful_tflops": useful_bwd / milliseconds / 1e9,
+                "vs_reference": reference_ms / milliseconds,
+                "fwd_bwd_estimate_vs_reference": (reference_forward_ms + reference_ms)
+                / (triton_forward_ms + milliseconds),
+            }
+        )
+        print_table([run.rows[-1]], SWEEP_COLUMNS)
+        run.save()
+
+    for name, config, deterministic in backward_variants(base):
+        run.attempt(f"bwd sweep {name}", functools.partial(measure, name, config, deterministic), need_s=12)
+    rows = [row for row in run.rows if row.get("section") == "bwd_sweep"]
+    passed = [row for row in rows if row["passed"]]
+    for label, candidates in (
+        ("best", passed),
+        ("best_deterministic", [row for row in passed if row["deterministic"]]),
+    ):
+        if candidates:
+            best = min(candidates, key=lambda row: row["bwd_ms"])
+            run.summary[f"{label}_variant"] = best["variant"]
+            run.summary[f"{label}_bwd_ms"] = best["bwd_ms"]
+            run.summary[f"{label}_vs_reference_bwd"] = best["vs_reference"]
+            run.summary[f"{label}_fwd_bwd_estimate_vs_reference"] = best["fwd_bwd_estimate_vs_reference"]
+    run.summary["all_passed"] = bool(rows) and len(passed) == len(rows)
+    run.save()
+    print_table(rows, SWEEP_COLUMNS)
+    print({key: value for key, value in run.summary.items() if key.startswith(("best", "reference", "triton"))})
+
+
+SWEEP_COLUMNS = [
+    "variant", "passed", "dkdv_regs", "dkdv_spills", "dq_regs", "bwd_ms", "useful_tflops", "vs_reference",
+    "fwd_bwd_estimate_vs_reference", "dq_rel_error", "dk_rel_error",
+]  # fmt: skip
+
+
+def compile_report() -> None:
+    """Compile every backward variant's kernels for sm_90 without a device and print registers, spill bytes and
+    shared memory (needs only Triton with its NVIDIA backend; ptxas ships with it)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from arctic_dedup.attention import _kernels
+
+    global DEVICE
+    DEVICE = "cpu"
+    plan = build_plan_from_layout(_layout([8192], [[512] * 16], seed=2))
+    tokens = plan.num_packed_tokens
+    q = torch.empty(tokens, HEADS_Q, HEAD_DIM, dtype=torch.bfloat16)
+    k = torch.empty(tokens, HEADS_KV, HEAD_DIM, dtype=torch.bfloat16)
+    lse = torch.empty(HEADS_Q, tokens)
+    pointer_types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+    def compile_launch(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages")}
+        values = {**dict(zip(kernel.arg_names, args)), **kwargs}
+        signature, constants, attributes = {}, {}, {}
+        for index, name in enumerate(kernel.arg_names):
+            value = values[name]
+            if kernel.params[index].is_constexpr:
+                signature[name], constants[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name], attributes[(index,)] = pointer_types[value.dtype], [["tt.divisibility", 16]]
+            elif isinstance(value, float):
+                signature[name] = "fp32"
+            else:
+                signature[name] = "i32"
+                if value and value % 16 == 0:
+                    attributes[(index,)] = [["tt.divisibility", 16]]
+        source = ASTSource(kernel, signature, constants, attributes)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.TemporaryDirectory() as folder:
+            ptx = Path(folder) / "kernel.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            command = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull]
+            log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+        used = re.search(r"Used (\d+) registers", log)
+        spilled = re.search(r"(\d+) bytes spill stores", log)
+        return {
+            "regs": int(used.group(1)) if used else None,
+            "spill_bytes": int(spilled.group(1)) if spilled else None,
+            "smem_kb": round(compiled.metadata.shared / 1024),
+            "mma_sync": "mma.sync" in compiled.asm["ptx"],
+        }
+
+    class Recorder:
+        def __init__(self, kernel: Any, log: list) -> None:
+            self.kernel, self.log = kernel, log
+
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            return lambda *args, **kwargs: self.log.append((self.kernel, args, kwargs))
+
+    rows = []
+    base = default_triton_config(HEAD_DIM, torch.device("cuda"))
+    for name, config, deterministic in backward_variants(base):
+        launches: list[tuple[Any, tuple, dict[str, Any]]] = []
+        names = (
+            "tree_attention_bwd_preprocess_kernel",
+            "tree_attention_bwd_dkdv_kernel",
+            "tree_attention_bwd_dq_kernel",
+        )
+        originals = {kernel: getattr(_kernels, kernel) for kernel in names}
+        for kernel, original in originals.items():
+            setattr(_kernels, kernel, Recorder(original, launches))
+        try:
+            launch_backward(q, q, k, k, q, lse, None, plan, scale=HEAD_DIM**-0.5, sliding_window=None, softcap=None,
+                            config=config, deterministic=deterministic)  # fmt: skip
+        finally:
+            for kernel, original in originals.items():
+                setattr(_kernels, kernel, original)
+        row: dict[str, Any] = {"variant": name}
+        for kernel, args, kwargs in launches:
+            label = kernel.__name__.removeprefix("tree_attention_bwd_").removesuffix("_kernel")
+            if label != "preprocess":
+                for key, value in compile_launch(kernel, args, dict(kwargs)).items():
+                    row[f"{label}_{key}"] = value
+        rows.append(row)
+        print_table([row], list(row))
+    columns = ["variant", "dkdv_regs", "dkdv_spill_bytes", "dkdv_smem_kb", "dkdv_mma_sync", "dq_regs", "dq_smem_kb"]
+    print_table(rows, columns)
+
+
 # ----------------------------------------------------------------------------------------------------- performance
 
 
@@ -646,9 +916,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=default_out_dir())
     parser.add_argument("--quick", action="store_true", help="correctness and the first shape only (for gpu_tests)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new work after this long")
+    parser.add_argument("--bwd-sweep", action="store_true", help="only the backward variants (about 3 minutes)")
+    parser.add_argument("--compile-report", action="store_true", help="no GPU: sm_90 registers of the variants")
     args = parser.parse_args()
+    if args.compile_report:
+        compile_report()
+        return
     if not torch.cuda.is_available():
         print("tree_attention: needs a CUDA GPU; nothing measured.")
+        return
+    if args.bwd_sweep:
+        sweep_run = Run(args.out, args.budget_s, name=f"{NAME}_bwd_sweep")
+        layout = performance_layouts(quick=True)["P8192_G16_R512"]
+        base = default_triton_config(HEAD_DIM, torch.device(DEVICE))
+        sweep_run.attempt("bwd sweep", lambda: section_backward_sweep(sweep_run, build_plan_from_layout(layout), base))
+        sweep_run.save()
+        print(f"errors: {len(sweep_run.errors)} (see {sweep_run.out_dir / (sweep_run.name + '.json')})")
         return
     run = Run(args.out, args.budget_s)
     run.summary["flop_formula"] = FORMULA
