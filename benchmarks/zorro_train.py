@@ -422,6 +422,12 @@ def section_dense(options: Options, ragged: bool) -> list[dict[str, Any]]:
 def section_hybrid(options: Options) -> list[dict[str, Any]]:
     import importlib.util
 
+    from arctic_zorro_train.gated_delta import fla_unusable_reason
+
+    reason = fla_unusable_reason(options.device) if options.device.type == "cuda" else None
+    if reason is not None:
+        # transformers' torch Gated DeltaNet kernel would make both runs slow and say nothing about the fast path.
+        return [{"section": "hybrid", "run": "error", "error": f"not measured: {reason}"}]
     model = build_model("hybrid", options)
     prompt, group = (8192, 16) if not options.smoke else (64, 4)
     lengths = [512 if not options.smoke else 8] * group

@@ -1,12 +1,21 @@
-"""bf16 on a CUDA GPU: deduplicated gradients point the same way as the non-deduplicated run's (cosine >= 0.9999
-for every parameter), for every tree-attention backend available, and the Gated DeltaNet path with fla's kernels.
+"""bf16 on a CUDA GPU: the deduplicated gradients are as exact as the non-deduplicated run's, for every
+tree-attention backend available and for the Gated DeltaNet path.
+
+The yardstick is the fp32 truth (the same bf16 weights upcast to fp32, run without deduplication): for every
+parameter, ``1 - cosine(dedup bf16, truth)`` must stay within ``NOISE_FACTOR`` times ``1 - cosine(non-dedup bf16,
+truth)``, i.e. deduplication may not add more than sqrt(2) to the run's own bf16 gradient error. Why not a fixed
+cosine between the two bf16 runs (the issue's ``>= 0.9999``): on the H200 the non-dedup bf16 run is itself up to
+``1 - cos = 2.8e-4`` away from the truth (q/k projections and q/k norms; benchmarks/results/
+zorro_bf16_noise_qwen3.json), so two equally valid bf16 roundings of the same gradient (the dedup run sums a shared
+prompt token's gradient once in fp32, the plain run rounds each copy to bf16) land 1.3-1.8e-4 apart. A real dedup
+mistake (a missed child gradient, a wrong mask) moves gradients by orders of magnitude more.
 
 Run on the H200 with ``nox -s gpu_tests`` (or ``pytest -m gpu packages/arctic-zorro-train/tests``).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import copy
 from typing import Any
 
 import pytest
@@ -21,11 +30,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-# One bound for every parameter, the Gated DeltaNet decay parameters (A_log, dt_bias, in_proj_a) included: with the
-# test models' decay rates (testing.build_model) their gradients are no worse conditioned than the rest. Measured on
-# CPU in bf16 with this file's hybrid model and batch (dedup vs non-dedup): worst decay-parameter cosine 0.999837,
-# worst of the others 0.999844 (CPU bf16 sits below this bound for every kind of parameter alike).
-COSINE = 0.9999
+# Measured on the H200 (2026-11-30, dense qwen3 test model): per parameter, the dedup run's distance to the truth is
+# 0.87-1.38x the non-dedup run's (1 - cosine), 1.07x summed over parameters.
+NOISE_FACTOR = 2.0
+# A floor for parameters whose non-dedup bf16 gradient happens to be almost exact.
+NOISE_FLOOR = 1e-6
 
 GPU_SHAPE: dict[str, Any] = {
     "vocab_size": 4096,
@@ -71,12 +80,29 @@ def _grads(model: Any, batch: dict[str, torch.Tensor], **options: Any) -> dict[s
     return {name: grad.float() for name, grad in collect_grads(model).items()}
 
 
-def _assert_cosines(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], label: str) -> None:
-    for name, reference in expected.items():
-        if float(reference.norm()) == 0.0:
+def _one_minus_cosine(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return 1.0 - float(torch.nn.functional.cosine_similarity(actual.double().flatten(), expected.double().flatten(), 0))
+
+
+def _truth(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 gradients of the same (bf16-rounded) weights, without deduplication."""
+    exact = copy.deepcopy(model).float()
+    return _grads(exact, batch, deduplicate=False, attention_backend="flex", fp32_logits=True)
+
+
+def _assert_as_exact_as_plain(
+    dedup: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], label: str
+) -> None:
+    """Every parameter: the dedup bf16 gradient is no further from the fp32 truth than NOISE_FACTOR times the
+    non-dedup bf16 gradient is (distances as 1 - cosine)."""
+    failures = []
+    for name, exact in truth.items():
+        if float(exact.norm()) == 0.0:
             continue
-        cosine = float(torch.nn.functional.cosine_similarity(actual[name].flatten(), reference.flatten(), dim=0))
-        assert cosine >= COSINE, f"{label}: {name} cosine {cosine:.6f} < {COSINE}"
+        ours, theirs = _one_minus_cosine(dedup[name], exact), _one_minus_cosine(plain[name], exact)
+        if ours > NOISE_FACTOR * theirs + NOISE_FLOOR:
+            failures.append(f"{name}: 1-cos to truth {ours:.2e} vs non-dedup {theirs:.2e}")
+    assert not failures, f"{label}: deduplication adds gradient error beyond bf16 noise: " + "; ".join(failures)
 
 
 def _backends() -> list[str]:
@@ -98,9 +124,10 @@ def _baseline_backend() -> str:
 def test_dense_bf16_gradients_match_the_non_deduplicated_run(backend: str) -> None:
     model = _model("qwen3")
     batch = _batch()
+    truth = _truth(model, batch)
     baseline = _grads(model, batch, deduplicate=False, attention_backend=_baseline_backend())
     dedup = _grads(model, batch, attention_backend=backend, logits_optimization="memory")
-    _assert_cosines(dedup, baseline, f"qwen3 {backend}")
+    _assert_as_exact_as_plain(dedup, baseline, truth, f"qwen3 {backend}")
 
 
 def test_dense_bf16_gradients_match_plain_transformers() -> None:
@@ -120,14 +147,18 @@ def test_dense_bf16_gradients_match_plain_transformers() -> None:
     )
     loss.backward()
     plain = {name: grad.float() for name, grad in collect_grads(model).items()}
+    truth = _truth(model, batch)
     dedup = _grads(model, batch, kl_coef=0.0)
-    _assert_cosines(dedup, plain, "qwen3 vs transformers sdpa")
+    _assert_as_exact_as_plain(dedup, plain, truth, "qwen3 vs transformers sdpa")
 
 
 def test_hybrid_bf16_gradients_match_the_non_deduplicated_run() -> None:
-    kernel = "fla" if importlib.util.find_spec("fla") is not None else "torch"
+    from arctic_zorro_train.gated_delta import fla_unusable_reason
+
+    kernel = "torch" if fla_unusable_reason(torch.device("cuda")) else "fla"
     model = _model("qwen3_5")
     batch = _batch(seed=2)
+    truth = _truth(model, batch)
     baseline = _grads(model, batch, deduplicate=False, attention_backend=_baseline_backend())
     dedup = _grads(model, batch)
-    _assert_cosines(dedup, baseline, f"qwen3_5 ({kernel} Gated DeltaNet kernel)")
+    _assert_as_exact_as_plain(dedup, baseline, truth, f"qwen3_5 ({kernel} Gated DeltaNet kernel)")

@@ -167,11 +167,32 @@ def tree_causal_conv(
     return whole.index_copy(0, schedule.fix_index, fixed)
 
 
-def _fla_chunk_rule() -> Callable[..., Any] | None:
+def fla_unusable_reason(device: torch.device) -> str | None:
+    """Why fla's gated chunk kernels cannot train on ``device`` here, or None when they can.
+
+    fla refuses (rather than silently computing wrong gradients) the gated ``chunk_bwd_dqkwg`` backward on Hopper
+    with Triton >= 3.4 and < 3.7.1 unless its TileLang backend is installed (fla issue #640).
+    """
     if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention is not installed (install `arctic-zorro-train[fla]`)"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    import triton
+
+    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3] if part.isdigit())
+    if (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
+        return (
+            f"fla's gated backward is wrong on Hopper with Triton {triton.__version__} and fla refuses it "
+            "(needs Triton >= 3.7.1 or `pip install tilelang`)"
+        )
+    return None
+
+
+def _fla_chunk_rule(device: torch.device) -> Callable[..., Any] | None:
+    reason = fla_unusable_reason(device)
+    if reason is not None:
         warnings.warn(
-            "flash-linear-attention is not installed: Gated DeltaNet layers run transformers' torch kernel on CUDA "
-            "(exact but slow). Install `arctic-zorro-train[fla]` for the fused kernels.",
+            f"{reason}: Gated DeltaNet layers run transformers' torch kernel on CUDA (exact but slow).",
             stacklevel=3,
         )
         return None
@@ -198,7 +219,7 @@ def tree_gated_delta_rule(
 ) -> torch.Tensor:
     """The gated delta rule over the tree. query/key ``[T, H, Dk]``, value ``[T, H, Dv]``, g/beta ``[T, H]``
     -> ``[T, H, Dv]``. q and k are L2-normalized inside (as transformers' Gated DeltaNet layers ask)."""
-    fla_rule = _fla_chunk_rule() if query.is_cuda else None
+    fla_rule = _fla_chunk_rule(query.device) if query.is_cuda else None
     outputs: list[torch.Tensor] = []
     final_states: torch.Tensor | None = None
     for level in schedule.levels:

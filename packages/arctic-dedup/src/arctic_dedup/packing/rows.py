@@ -13,7 +13,7 @@ import torch
 from arctic_dedup._triton_support import Backend, resolve_backend
 from arctic_dedup.errors import PlanError
 from arctic_dedup.index_map import IndexMap
-from arctic_dedup.packing._launch import launch_gather_rows, launch_segment_sum_rows
+from arctic_dedup.packing._launch import launch_scatter_copies, launch_segment_sum_rows
 
 __all__ = ["gather_rows", "segment_sum_rows"]
 
@@ -36,7 +36,7 @@ def _segment_sum_torch(src: torch.Tensor, index_map: IndexMap) -> torch.Tensor:
 
 def _gather(src: torch.Tensor, index_map: IndexMap, fill_value: float, backend: Backend) -> torch.Tensor:
     if resolve_backend(backend, src) == "triton":
-        return launch_gather_rows(src, index_map, fill_value)
+        return launch_scatter_copies(src, index_map, fill_value)
     return _gather_torch(src, index_map, fill_value)
 
 
