@@ -17,6 +17,9 @@ siblings' shared prefix blocks from L2, so on RL batches it runs above the copy 
 Run on the H200:  python benchmarks/fca_decode.py            (about 3 minutes; --quick: about 1.5 minutes)
 Plot elsewhere:   python benchmarks/fca_decode.py --plot-from benchmarks/results/fca_decode.json
 CPU dry run:      python benchmarks/fca_decode.py --smoke    (every code path on tiny shapes, Triton interpreter)
+Diagnosis:        python benchmarks/fca_decode.py --diagnose (under 4 minutes: copy ceiling, plan, prefix and suffix
+                  passes alone, attention and combine alone, then version 3 candidates, each checked against the
+                  reference first; writes fca_decode_diagnose.json; add --smoke for a CPU dry run)
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,14 @@ from arctic_dedup.forest import (
     plan_forest,
     plan_paged,
     reference_paged_attention,
+)
+from arctic_dedup.forest._launch import (
+    DecodeKnobs,
+    Partials,
+    allocate_partials,
+    launch_attention,
+    launch_combine,
+    launch_forest_decode,
 )
 from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
 
@@ -269,13 +281,20 @@ class Case:
     """One batch shape, with enough copies that one graph replay streams more than the L2 cache."""
 
     def __init__(
-        self, name: str, prefix_lens: list[int], suffix_lens: list[list[int]], shuffle: bool, shape: Shape
+        self,
+        name: str,
+        prefix_lens: list[int],
+        suffix_lens: list[list[int]],
+        shuffle: bool,
+        shape: Shape,
+        copies: int | None = None,
     ) -> None:
         self.name = name
         self.shape = shape
         first = self._make(prefix_lens, suffix_lens, shuffle, 0)
         unique_bytes = first.unique_tokens * shape.bytes_per_token
-        copies = max(1, min(4, math.ceil(4 * L2_BYTES / unique_bytes))) if shape.device == "cuda" else 1
+        if copies is None:
+            copies = max(1, min(4, math.ceil(4 * L2_BYTES / unique_bytes))) if shape.device == "cuda" else 1
         self.batches = [first] + [self._make(prefix_lens, suffix_lens, shuffle, i) for i in range(1, copies)]
         self.workspaces = [ForestWorkspace(batch.key_cache.shape[0], shape.device) for batch in self.batches]
         self.unique_bytes = unique_bytes
@@ -523,14 +542,507 @@ def _cases(shape: Shape, smoke: bool) -> dict[str, tuple[list[int], list[list[in
     return cases
 
 
+# ---------------------------------------------------------------- diagnosis (--diagnose)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run forest decode's kernels: a kernel config (public) plus internal launch knobs."""
+
+    name: str
+    about: str
+    config: ForestKernelConfig
+    knobs: DecodeKnobs = field(default_factory=DecodeKnobs)
+
+
+def _variants() -> list[Variant]:
+    """Candidates of version 3, most informative first (a run cut short by ``--budget-s`` keeps the first ones)."""
+    base = ForestKernelConfig()
+    p128 = replace(base, prefix_block_n=128, prefix_waves=1.0)
+    p64 = replace(base, prefix_block_n=64)
+    stream128 = DecodeKnobs(split_passes=True, prefix_num_warps=8, prefix_num_stages=2, side_stream=True)
+    stream64 = DecodeKnobs(split_passes=True, prefix_num_warps=4, prefix_num_stages=3, side_stream=True)
+    return [
+        Variant("v2", "version 2: one launch, prefix tiles 64x32, 4 warps, 3 stages, 2 prefix programs/SM", base),
+        Variant(
+            "stream_p128",
+            "prefix pass (64x128 tiles, 8 warps, 2 stages, 1 prefix program/SM) on a side stream beside the suffix "
+            "pass (v2 tiles)",
+            p128,
+            stream128,
+        ),
+        Variant(
+            "stream_p64",
+            "prefix pass (64x64 tiles, 4 warps, 3 stages) on a side stream beside the suffix pass",
+            p64,
+            stream64,
+        ),
+        Variant(
+            "split_p128",
+            "stream_p128's two passes one after the other (no side stream)",
+            p128,
+            replace(stream128, side_stream=False),
+        ),
+        Variant("p64", "one launch with 64x64 prefix tiles (112 KB shared: 2 programs/SM for every item)", p64),
+        Variant(
+            "v2_pw4",
+            "v2 with 4 prefix programs/SM (prefix_waves 4: shorter prefix items)",
+            replace(base, prefix_waves=4.0),
+        ),
+        Variant(
+            "v2_w1",
+            "v2 with prefix_waves 1 and waves 1: about one wave in all",
+            replace(base, prefix_waves=1.0, waves=1.0),
+        ),
+        Variant(
+            "v2_combine32",
+            "v2 with the combine in 32-dim slices, all partials loaded at once",
+            base,
+            DecodeKnobs(combine_dim_block=32, combine_chunk_cap=64),
+        ),
+        Variant("stream_p128_pw2", "stream_p128 with 2 prefix programs/SM", replace(p128, prefix_waves=2.0), stream128),
+        Variant(
+            "stream_p128_c32",
+            "stream_p128 with v2_combine32's combine",
+            p128,
+            replace(stream128, combine_dim_block=32, combine_chunk_cap=64),
+        ),
+        Variant("stream_p64_pw4", "stream_p64 with 4 prefix programs/SM", replace(p64, prefix_waves=4.0), stream64),
+        Variant("p64_s2", "one launch, 64x64 prefix tiles, 2 stages (80 KB shared)", replace(p64, num_stages=2)),
+        Variant(
+            "stream_p128_s64",
+            "stream_p128 with 64-token suffix tiles (the per-request kernel's)",
+            replace(p128, suffix_block_n=64),
+            stream128,
+        ),
+        Variant("v2_pw8", "v2 with 8 prefix programs/SM", replace(base, prefix_waves=8.0)),
+    ]
+
+
+def _compile_signature(case_name: str, variant: Variant) -> tuple[Any, ...]:
+    config, knobs = variant.config, variant.knobs
+    tiles = (config.prefix_block_m, config.prefix_block_n, config.suffix_block_n, config.num_warps, config.num_stages)
+    return (
+        case_name,
+        tiles,
+        knobs.split_passes,
+        knobs.prefix_num_warps,
+        knobs.prefix_num_stages,
+        knobs.combine_dim_block,
+        knobs.combine_chunk_cap,
+    )
+
+
+def _precompile_job(job: tuple[str, str, bool]) -> str:
+    """Worker process: run one variant once on the real shapes so its kernels land in Triton's on-disk cache."""
+    case_name, variant_name, smoke = job
+    shape = SMOKE if smoke else H200
+    try:
+        variant = {v.name: v for v in _variants()}[variant_name]
+        case = Case(case_name, *_cases(shape, smoke)[case_name], shape=shape, copies=1)
+        batch = case.batches[0]
+        plan = _forest_plan(batch, shape, variant.config, case.workspaces[0])
+        partials = allocate_partials(plan, shape.head_dim, batch.query.device)
+        out = torch.empty_like(batch.query)
+        lse = torch.empty(batch.query.shape[:2], device=batch.query.device)
+        scale = shape.head_dim**-0.5
+        launch_attention(
+            batch.query, batch.key_cache, batch.value_cache, plan, scale, out, lse, partials, variant.knobs
+        )
+        launch_combine(out, lse, plan, partials, shape.head_dim, variant.knobs)
+        if variant.name == "v2":
+            for passes in ((1,), (2,)):
+                launch_attention(
+                    batch.query,
+                    batch.key_cache,
+                    batch.value_cache,
+                    plan,
+                    scale,
+                    out,
+                    lse,
+                    partials,
+                    variant.knobs,
+                    passes,
+                )
+        if batch.query.is_cuda:
+            torch.cuda.synchronize()
+        return f"{case_name}/{variant_name}: compiled"
+    except Exception as error:  # reported by the parent, which compiles (or fails) again itself
+        return f"{case_name}/{variant_name}: {type(error).__name__}: {str(error)[:200]}"
+
+
+def _precompile(case_names: list[str], variants: list[Variant], workers: int, smoke: bool) -> None:
+    import concurrent.futures
+    import multiprocessing
+
+    jobs: dict[tuple[Any, ...], tuple[str, str, bool]] = {}
+    for case_name in case_names:
+        for variant in variants:
+            jobs.setdefault(_compile_signature(case_name, variant), (case_name, variant.name, smoke))
+    started = time.time()
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        for message in pool.map(_precompile_job, list(jobs.values())):
+            if not message.endswith("compiled"):
+                print(f"  precompile {message}", flush=True)
+    print(f"precompiled {len(jobs)} kernel sets in {workers} processes ({time.time() - started:.0f} s)", flush=True)
+
+
+def _occupancy(compiled: list[Any]) -> str:
+    """Programs per multiprocessor of each launch from its compiled kernel (Hopper limits), e.g. ``2/SM(112K,250r)``."""
+    parts = []
+    for kernel in compiled:
+        regs = getattr(kernel, "n_regs", None)
+        if not regs:
+            return "-"
+        shared = int(kernel.metadata.shared)
+        warps = int(kernel.metadata.num_warps)
+        regs_per_warp = -(-regs * 32 // 256) * 256
+        programs = min((228 * 1024) // (shared + 1024), 65536 // (regs_per_warp * warps), 64 // warps, 32)
+        spills = ",spills" if getattr(kernel, "n_spills", 0) else ""
+        parts.append(f"{programs}/SM({shared // 1024}K,{regs}r{spills})")
+    return "+".join(parts)
+
+
+@dataclass
+class _Setup:
+    batch: DecodeBatch
+    workspace: ForestWorkspace
+    plan: ForestPlan
+    partials: Partials
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+class Diagnosis:
+    """Times one case's pieces (copy ceiling, plan, passes, combine) and every variant's kernels, checked first."""
+
+    def __init__(self, case: Case, repeats: int, per_graph: int) -> None:
+        self.case = case
+        self.repeats = repeats
+        self.per_graph = per_graph
+        self.scale = case.shape.head_dim**-0.5
+        batch = case.batches[0]
+        self.head_dim = batch.query.shape[2]
+        count = batch.seq_lens.shape[0]
+        # Every request of small batches; an even spread (each group's first and last among them) of large ones.
+        self.sample = list(range(count)) if count <= 32 else sorted(set(range(0, count, 5)) | {count - 1})
+        self.reference = self._sampled_reference(batch)
+        paged = _paged_plan(batch, replace(ForestKernelConfig(), suffix_block_n=64))
+        self.paged_out, self.paged_lse = forest_decode(
+            batch.query, batch.key_cache, batch.value_cache, paged, self.scale
+        )
+        self.prefix_bytes, self.suffix_bytes = self._pass_bytes(
+            _forest_plan(batch, case.shape, ForestKernelConfig(), case.workspaces[0])
+        )
+
+    def _sampled_reference(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        starts = batch.query_start_loc.cpu()
+        index = torch.tensor(self.sample)
+        rows = torch.cat([torch.arange(int(starts[r]), int(starts[r + 1])) for r in self.sample])
+        lengths = (starts[1:] - starts[:-1])[index]
+        sub_starts = torch.zeros(len(self.sample) + 1, dtype=torch.int32)
+        sub_starts[1:] = torch.cumsum(lengths, 0)
+        device_index = index.to(batch.query.device)
+        ref_out, ref_lse = reference_paged_attention(
+            batch.query[rows.to(batch.query.device)],
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_table[device_index],
+            batch.seq_lens[device_index],
+            sub_starts,
+            self.scale,
+        )
+        return rows, ref_out, ref_lse
+
+    def _pass_bytes(self, plan: ForestPlan) -> tuple[int, int]:
+        prefix = plan.prefix_blocks.cpu().to(torch.int64)
+        leaders = plan.group_leader.cpu()
+        own = (leaders == torch.arange(leaders.shape[0])) & (prefix > 0)
+        block = plan.block_size
+        prefix_tokens = int(prefix[own].sum()) * block
+        suffix_tokens = int((plan.seq_lens.cpu().to(torch.int64) - prefix * block).clamp_min(0).sum())
+        return prefix_tokens * self.case.shape.bytes_per_token, suffix_tokens * self.case.shape.bytes_per_token
+
+    def setups(self, variant: Variant) -> list[_Setup]:
+        result = []
+        for batch, workspace in zip(self.case.batches, self.case.workspaces, strict=True):
+            plan = _forest_plan(batch, self.case.shape, variant.config, workspace)
+            result.append(
+                _Setup(
+                    batch=batch,
+                    workspace=workspace,
+                    plan=plan,
+                    partials=allocate_partials(plan, self.head_dim, batch.query.device),
+                    out=torch.full_like(batch.query, float("nan")),
+                    lse=torch.full(batch.query.shape[:2], float("nan"), device=batch.query.device),
+                )
+            )
+        return result
+
+    def attention(self, setup: _Setup, knobs: DecodeKnobs, passes: tuple[int, ...] | None = None) -> list[Any]:
+        batch = setup.batch
+        return launch_attention(
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            setup.plan,
+            self.scale,
+            setup.out,
+            setup.lse,
+            setup.partials,
+            knobs,
+            passes,
+        )
+
+    def combine(self, setup: _Setup, knobs: DecodeKnobs) -> None:
+        launch_combine(setup.out, setup.lse, setup.plan, setup.partials, self.head_dim, knobs)
+
+    def kernels(self, setup: _Setup, knobs: DecodeKnobs) -> None:
+        self.attention(setup, knobs)
+        self.combine(setup, knobs)
+
+    def verify(self, setup: _Setup) -> dict[str, Any]:
+        """bf16 tolerances of the GPU tests: the sampled requests against the fp32 reference, every row against the
+        per-request kernel, no row left unwritten (outputs start as NaN)."""
+        rows, ref_out, ref_lse = self.reference
+        device_rows = rows.to(setup.out.device)
+        out, lse = setup.out[device_rows].float().cpu(), setup.lse[device_rows].cpu()
+        finite = not (torch.isnan(setup.out).any().item() or torch.isnan(setup.lse).any().item())
+        error = _relative_error(out, ref_out) if finite else math.inf
+        lse_ok = finite and torch.allclose(lse, ref_lse, atol=5e-2, rtol=1e-2)
+        paged_error = _relative_error(setup.out, self.paged_out) if finite else math.inf
+        paged_lse_error = (setup.lse - self.paged_lse).abs().max().item() if finite else math.inf
+        ok = finite and error < 1.5e-2 and lse_ok and paged_error < 1.5e-2 and paged_lse_error < 5e-2
+        return {"ok": ok, "rel_error_vs_reference": error, "rel_error_vs_per_request": paged_error}
+
+    def time(self, calls: Sequence[Callable[[], Any]]) -> float:
+        cycled = [calls[i % len(calls)] for i in range(max(self.per_graph, len(calls)))]
+        return _graph_time_us(cycled, self.repeats, self.case.shape.device)
+
+    def row(self, label: str, us: float, num_bytes: int, copy_tbps: float, **extra: Any) -> dict[str, Any]:
+        tbps = num_bytes / us / 1e6
+        return {
+            "case": self.case.name,
+            "variant": label,
+            "us": us,
+            "MB": num_bytes / 1e6,
+            "TB/s": tbps,
+            "of_copy": tbps / copy_tbps,
+            **extra,
+        }
+
+    def variant(self, variant: Variant, copy_tbps: float) -> dict[str, Any]:
+        setups = self.setups(variant)
+        knobs = variant.knobs
+        compiled = self.attention(setups[0], knobs)
+        self.combine(setups[0], knobs)
+        check = self.verify(setups[0])
+        base = {
+            "case": self.case.name,
+            "variant": variant.name,
+            "occupancy": _occupancy(compiled),
+            **check,
+            "about": variant.about,
+            "config": str(variant.config),
+            "knobs": str(knobs),
+        }
+        if not check["ok"]:
+            return base
+        attention_us = self.time([partial(self.attention, s, knobs) for s in setups])
+        combine_us = self.time([partial(self.combine, s, knobs) for s in setups])
+        kernels_us = self.time([partial(self.kernels, s, knobs) for s in setups])
+        unique = self.case.unique_bytes
+        tbps = unique / kernels_us / 1e6
+        return {
+            **base,
+            "attention_us": attention_us,
+            "combine_us": combine_us,
+            "kernels_us": kernels_us,
+            "TB/s": tbps,
+            "of_copy": tbps / copy_tbps,
+        }
+
+    def whole_op_us(self, variant: Variant) -> float:
+        """Plan + attention + combine per call (the plan rebuilt every layer)."""
+        calls = []
+        for batch, workspace in zip(self.case.batches, self.case.workspaces, strict=True):
+            out = torch.empty_like(batch.query)
+            lse = torch.empty(batch.query.shape[:2], device=batch.query.device)
+
+            def call(
+                batch: DecodeBatch = batch,
+                workspace: ForestWorkspace = workspace,
+                out: torch.Tensor = out,
+                lse: torch.Tensor = lse,
+            ) -> None:
+                plan = _forest_plan(batch, self.case.shape, variant.config, workspace)
+                launch_forest_decode(
+                    batch.query, batch.key_cache, batch.value_cache, plan, self.scale, out, lse, variant.knobs
+                )
+
+            calls.append(call)
+        return self.time(calls)
+
+
+def _copy_us(num_bytes: int, copies: int, diagnosis: Diagnosis) -> float:
+    """A plain device copy moving ``num_bytes`` (half read, half written) per call, over rotating buffers."""
+    device = diagnosis.case.shape.device
+    pairs = []
+    for _ in range(copies):
+        source = torch.empty(num_bytes // 4, dtype=torch.bfloat16, device=device).normal_()
+        pairs.append((source, torch.empty_like(source)))
+    return diagnosis.time([partial(target.copy_, source) for source, target in pairs])
+
+
+def _diagnose_pieces(diagnosis: Diagnosis, copy_tbps: float) -> list[dict[str, Any]]:
+    """Copy ceiling, plan, plan without groups, and version 2's prefix and suffix items alone (same binary)."""
+    case = diagnosis.case
+    shape = case.shape
+    base = ForestKernelConfig()
+    unique = case.unique_bytes
+    pieces = [
+        diagnosis.row("copy of the unique bytes", _copy_us(unique, len(case.batches), diagnosis), unique, copy_tbps)
+    ]
+    setups = diagnosis.setups(Variant("v2", "", base))
+    plan_us = diagnosis.time([partial(_forest_plan, s.batch, shape, base, s.workspace) for s in setups])
+    pieces.append({"case": case.name, "variant": "plan (3 launches)", "us": plan_us})
+    paged_us = diagnosis.time([partial(_paged_plan, s.batch, base) for s in setups])
+    pieces.append({"case": case.name, "variant": "plan without groups (1 launch)", "us": paged_us})
+    knobs = DecodeKnobs()
+    for passes, label, num_bytes in (
+        ((1,), "v2 prefix items only", diagnosis.prefix_bytes),
+        ((2,), "v2 suffix items only", diagnosis.suffix_bytes),
+    ):
+        us = diagnosis.time([partial(diagnosis.attention, s, knobs, passes) for s in setups])
+        pieces.append(diagnosis.row(label, us, num_bytes, copy_tbps))
+    for piece in pieces:
+        rate = f" ({piece['TB/s']:.2f} TB/s on {piece['MB']:.0f} MB)" if "TB/s" in piece else ""
+        print(f"{case.name}: {piece['variant']}: {piece['us']:.1f} us{rate}", flush=True)
+    return pieces
+
+
+def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
+    """Explain the version 2 misses: time the pieces separately, then each version 3 candidate (checked first)."""
+    started = time.time()
+    shape = SMOKE if args.smoke else H200
+    specs = _cases(shape, args.smoke)
+    case_names = ["single_group_16x8704", "rl8x16_adjacent"]
+    variants = _variants()
+    if args.only:
+        variants = [v for v in variants if v.name in args.only.split(",")]
+    if args.jobs > 0:
+        try:
+            _precompile(case_names, variants, args.jobs, args.smoke)
+        except Exception as error:  # compiling in this process instead is slower, not wrong
+            print(f"precompile failed ({type(error).__name__}: {error}); compiling here", flush=True)
+    repeats = 2 if args.smoke else 15
+    per_graph = 2 if args.smoke else 8
+    copy_tbps = 1.0 if args.smoke else copy_bandwidth_gbps() / 1000.0
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {"copy_tbps": copy_tbps, "per_graph": per_graph, "repeats": repeats}
+
+    tiny = torch.zeros(1, device=shape.device)
+    floor_us = _graph_time_us([partial(tiny.add_, 1)] * per_graph, repeats, shape.device)
+    replay_us = _graph_time_us([partial(tiny.add_, 1)], repeats, shape.device)
+    summary.update({"tiny_kernel_in_graph_us": floor_us, "one_kernel_graph_replay_us": replay_us})
+    print(
+        f"copy {copy_tbps:.2f} TB/s | tiny kernel in a graph {floor_us:.2f} us | one-kernel graph replay "
+        f"{replay_us:.2f} us (version 2's benchmark timed one call per replay for RL-8x16)",
+        flush=True,
+    )
+
+    diagnoses: list[Diagnosis] = []
+    pieces: dict[str, list[dict[str, Any]]] = {}
+    for case_name in case_names:
+        copies = 4 if case_name.startswith("single") and not args.smoke else 1
+        diagnosis = Diagnosis(Case(case_name, *specs[case_name], shape=shape, copies=copies), repeats, per_graph)
+        diagnoses.append(diagnosis)
+        pieces[case_name] = _diagnose_pieces(diagnosis, copy_tbps)
+        rows.extend(pieces[case_name])
+
+    # Variant by variant over both cases, so a run cut short keeps both cases' numbers for the first variants.
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in case_names}
+    for variant in variants:
+        for diagnosis in diagnoses:
+            name = diagnosis.case.name
+            if time.time() - started > args.budget_s:
+                print(f"{name}: {variant.name}: skipped (budget of {args.budget_s:.0f} s spent)", flush=True)
+                continue
+            try:
+                result = diagnosis.variant(variant, copy_tbps)
+            except Exception as error:  # a variant that does not fit the chip must not hide the others
+                result = {
+                    "case": name,
+                    "variant": variant.name,
+                    "ok": False,
+                    "error": f"{type(error).__name__}: {str(error)[:300]}",
+                }
+            results[name].append(result)
+            timing = (
+                f"attention {result['attention_us']:.1f} + combine {result['combine_us']:.1f} -> kernels "
+                f"{result['kernels_us']:.1f} us ({result['of_copy']:.0%} of copy)"
+                if "kernels_us" in result
+                else f"FAILED {result.get('error', result)}"
+            )
+            print(f"{name}: {variant.name} [{result.get('occupancy', '-')}]: {timing}", flush=True)
+
+    by_name = {v.name: v for v in variants}
+    for diagnosis in diagnoses:
+        name = diagnosis.case.name
+        timed = sorted((r for r in results[name] if "kernels_us" in r), key=lambda r: r["kernels_us"])
+        for result in [r for r in timed if r["variant"] == "v2"] + [r for r in timed[:2] if r["variant"] != "v2"]:
+            if time.time() - started > args.budget_s + 20:
+                break
+            result["whole_op_us"] = diagnosis.whole_op_us(by_name[result["variant"]])
+            print(
+                f"{name}: {result['variant']}: whole op (plan every layer) {result['whole_op_us']:.1f} us", flush=True
+            )
+        rows.extend(results[name])
+        plan_us = pieces[name][1]["us"]
+        summary[name] = {
+            "unique_MB": diagnosis.case.unique_bytes / 1e6,
+            "copy_us": pieces[name][0]["us"],
+            "plan_us": plan_us,
+            "v2_kernels_us": next((r["kernels_us"] for r in timed if r["variant"] == "v2"), math.nan),
+            "best_variant": timed[0]["variant"] if timed else None,
+            "best_kernels_us": timed[0]["kernels_us"] if timed else math.nan,
+            "best_amortized_us": timed[0]["kernels_us"] + plan_us / LAYERS if timed else math.nan,
+            "failed": [r["variant"] for r in results[name] if not r.get("ok")],
+        }
+    for diagnosis in diagnoses:
+        name = diagnosis.case.name
+        print(f"\n{name} ({diagnosis.case.unique_bytes / 1e6:.0f} MB unique)")
+        print_table(pieces[name], ["variant", "us", "MB", "TB/s", "of_copy"])
+        columns = ["variant", "ok", "occupancy", "attention_us", "combine_us", "kernels_us", "TB/s", "of_copy"]
+        print_table(results[name], [*columns, "whole_op_us"])
+        diagnosis.case.free()
+    summary["seconds"] = time.time() - started
+    path = write_results(out_dir, "fca_decode_diagnose", summary, rows)
+    print(f"diagnosis done in {summary['seconds']:.0f} s | wrote {path}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: $OUT or benchmarks/results)")
     parser.add_argument("--quick", action="store_true", help="fewer checks, no tuning sweep, fewer repeats")
     parser.add_argument("--smoke", action="store_true", help="CPU dry run of every code path on tiny shapes")
     parser.add_argument("--plot-from", type=Path, default=None, help="only draw the PNG from an existing JSON")
+    parser.add_argument("--diagnose", action="store_true", help="time the pieces and the version 3 candidates")
+    parser.add_argument("--only", default="", help="--diagnose: comma-separated variant names (default: all)")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="--diagnose: precompiling processes (default 16; 0 none)"
+    )
+    parser.add_argument("--budget-s", type=float, default=170.0, help="--diagnose: skip variants after this")
     args = parser.parse_args()
+    if args.jobs is None:
+        args.jobs = 0 if args.smoke else 16
     out_dir = args.out or default_out_dir()
+    if args.diagnose:
+        if not args.smoke and not torch.cuda.is_available():
+            sys.exit("--diagnose needs a CUDA GPU (or --smoke)")
+        _diagnose(args, out_dir)
+        return
     if args.plot_from is not None:
         saved = json.loads(args.plot_from.read_text())["rows"]
         target = args.plot_from.with_suffix(".png")

@@ -62,6 +62,7 @@ ATTENTION = {
     "ROWS": 4,
     "PREFIX_BLOCK_N": 32,
     "SUFFIX_BLOCK_N": 32,
+    "PASS": 0,
     **COMMON,
 }
 # Hopper: 228 KB of shared memory per multiprocessor, 227 KB per program, 1 KB of it reserved per program.
@@ -87,7 +88,7 @@ def _compile_all() -> None:
     _compile(_kernels.plan_paged_kernel, {"BLOCK_R": 128}, 4, 1)
     _compile(
         _kernels.forest_combine_kernel,
-        {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 16, "HEAD_DIM": 128},
+        {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 16, "DIM_BLOCK": 128},
         4,
         1,
     )

@@ -13,14 +13,17 @@ Planning (once per step, three launches, no host sync):
   clears the rest of the workspace, so the workspace is zero again for the next step.
 - ``plan_paged_kernel``: the same finishing step for a plan without groups (the per-request kernel's work list).
 
-Decode (per layer, two launches):
+Decode (per layer, two launches; three when the prefix and suffix passes are split):
 
 - ``forest_attention_kernel``: one program per (work item, kv head). Work items are prefix splits of group tiles
   first (long, tensor-core tiles of the GQA heads of up to ``MEMBERS`` requests reading the shared prefix once), then
   suffix splits of requests (each request's own tokens, causal within its query tokens). A request whose whole
   context is one suffix item writes its output directly; every other item writes a normalized fp32 partial and its
   log-sum-exp (natural log, ``-inf`` for a row that saw no key).
-- ``forest_combine_kernel``: one program per (request, kv head) that has partials; merges them by log-sum-exp.
+  ``PASS`` 1 or 2 runs only the prefix or only the suffix items (a split launch: each pass gets its own tile
+  shapes and launch options; ``PASS`` 0 runs both in one launch).
+- ``forest_combine_kernel``: one program per (request, kv head, slice of head dims) that has partials; merges them
+  by log-sum-exp.
 
 Row ``r`` of a request's row block stands for query token ``r // G`` and query head ``kv_head * G + r % G``.
 """
@@ -431,7 +434,10 @@ def _attend_block(
     dim_ok = dims < head_dim
     # Block ids are loaded one step ahead: a K/V address that depends on a load of the same step stops Triton's
     # pipeliner from prefetching K/V (one tile in flight per program instead of num_stages - 1; seen in the sm_90
-    # shared-memory size), so the ids arrive through the loop instead.
+    # shared-memory size), so the ids arrive through the loop instead. The pipelined loop still issues each K/V copy
+    # one step after the id load it depends on (sm_90 TTGIR), so a step takes at least one block-table round trip:
+    # a program streams about BLOCK_N tokens per round trip. Ids carried two or three steps through the loop stop
+    # the pipeliner again (one buffer per operand in the sm_90 build).
     next_tokens = token_start + tl.arange(0, BLOCK_N)
     next_pages = tl.load(block_row_ptr + next_tokens // PAGE, mask=next_tokens < token_end, other=0)
     for token_base in range(token_start, token_end, BLOCK_N):
@@ -766,6 +772,7 @@ def forest_attention_kernel(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PASS: tl.constexpr,
 ):
     # The kv heads of one item are adjacent programs: they read neighbouring bytes of the same cache blocks.
     pid = tl.program_id(0)
@@ -777,12 +784,63 @@ def forest_attention_kernel(
     ends = tl.load(work_start_ptr + 1 + owners, mask=owners < 2 * num_requests, other=2147483647)
     total_work = tl.load(work_start_ptr + 2 * num_requests)
     prefix_total = tl.load(work_start_ptr + num_requests)
-    if work < total_work:
+    if PASS == 2:
+        # Suffix pass of a split launch: this launch's programs start after the prefix items.
+        work += prefix_total
+    limit = total_work
+    if PASS == 1:
+        limit = prefix_total
+    if work < limit:
         owner = tl.sum((ends <= work).to(tl.int32), 0)
         first = tl.load(work_start_ptr + owner)
         item = work - first
         item_count = tl.load(work_start_ptr + owner + 1) - first
-        if HAS_PREFIX:
+        # PASS is a constexpr, so a split launch compiles only its own item kind (its own tiles and shared memory).
+        if PASS == 1:
+            _prefix_item(
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                block_table_ptr,
+                query_start_ptr,
+                tile_leader_ptr,
+                tile_prefix_blocks_ptr,
+                tile_member_start_ptr,
+                tile_member_count_ptr,
+                member_list_ptr,
+                split_tokens_ptr,
+                prefix_part_out_ptr,
+                prefix_part_lse_ptr,
+                owner,
+                item,
+                item_count,
+                work,
+                kv_head,
+                scale_log2,
+                stride_q_token,
+                stride_q_head,
+                stride_q_dim,
+                stride_k_block,
+                stride_k_token,
+                stride_k_head,
+                stride_k_dim,
+                stride_v_block,
+                stride_v_token,
+                stride_v_head,
+                stride_v_dim,
+                stride_table_row,
+                head_dim,
+                num_kv_heads,
+                G,
+                QMAX,
+                PAGE,
+                PREFIX_BLOCK_M,
+                PREFIX_BLOCK_N,
+                HEAD_DIM,
+                UPCAST,
+                DOT_PRECISION,
+            )
+        elif HAS_PREFIX and PASS == 0:
             if owner < num_requests:
                 _prefix_item(
                     q_ptr,
@@ -950,17 +1008,21 @@ def forest_combine_kernel(
     num_requests,
     head_dim,
     num_kv_heads,
+    dim_chunks,
     HAS_PREFIX: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PREFIX_BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    DIM_BLOCK: tl.constexpr,
 ):
+    # One program per (request, kv head, slice of DIM_BLOCK head dims): narrower slices give more programs, each
+    # loading all its partials in fewer rounds.
     pid = tl.program_id(0)
-    request = pid // num_kv_heads
-    kv_head = pid % num_kv_heads
+    dim_chunk = pid % dim_chunks
+    request = pid // (num_kv_heads * dim_chunks)
+    kv_head = (pid // dim_chunks) % num_kv_heads
     # Everything this program needs that depends only on the request is loaded in one round.
     suffix_first = tl.load(work_start_ptr + num_requests + request)
     suffix_count = tl.load(work_start_ptr + num_requests + request + 1) - suffix_first
@@ -983,12 +1045,12 @@ def forest_combine_kernel(
         query_offset = rows // G
         head = kv_head * G + rows % G
         row_ok = (query_offset < query_len) & (rows < QMAX * G)
-        dims = tl.arange(0, HEAD_DIM)
+        dims = dim_chunk * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
         dim_ok = dims < head_dim
 
         run_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         run_sum = tl.zeros([ROWS], dtype=tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        acc = tl.zeros([ROWS, DIM_BLOCK], dtype=tl.float32)
         # Every partial of a chunk is loaded at once, so a long list of splits costs few round trips.
         for chunk_start in range(0, prefix_count + suffix_count, CHUNK):
             index = chunk_start + tl.arange(0, CHUNK)
@@ -1030,4 +1092,5 @@ def forest_combine_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & dim_ok[None, :],
         )
-        tl.store(lse_ptr + token * stride_lse_token + head.to(tl.int64) * stride_lse_head, lse, mask=row_ok)
+        lse_offsets = token * stride_lse_token + head.to(tl.int64) * stride_lse_head
+        tl.store(lse_ptr + lse_offsets, lse, mask=row_ok & (dim_chunk == 0))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,10 +15,62 @@ from arctic_dedup.errors import PlanError
 if TYPE_CHECKING:
     from arctic_dedup.forest.plan import ForestGrouping, ForestKernelConfig, ForestPlan, ForestWorkspace, _Sizes
 
-__all__ = ["check_decode_inputs", "launch_forest_decode", "launch_plan"]
+__all__ = [
+    "DecodeKnobs",
+    "Partials",
+    "allocate_partials",
+    "check_decode_inputs",
+    "launch_attention",
+    "launch_combine",
+    "launch_forest_decode",
+    "launch_plan",
+]
 
 # Partials of one combine chunk held in registers at once (floats): 64 per thread with 4 warps.
 COMBINE_CHUNK_FLOATS = 8192
+
+
+@dataclass(frozen=True)
+class DecodeKnobs:
+    """Internal launch variants of forest decode, compared by ``benchmarks/fca_decode.py --diagnose`` (not public API).
+
+    The defaults are version 2's launches; every variant computes the same result.
+
+    Attributes:
+        split_passes: prefix items and suffix items in two launches, each with its own launch options.
+        prefix_num_warps, prefix_num_stages: launch options of the prefix launch when split (``None``: the config's).
+        side_stream: with ``split_passes`` on CUDA, the prefix launch runs on a side stream, concurrently with the
+            suffix launch (two branches of a CUDA graph when captured); both join before the combine.
+        combine_dim_block: head dims per combine program (``None``: the whole head); a power of two >= 16.
+        combine_chunk_cap: most partials a combine program loads at once.
+    """
+
+    split_passes: bool = False
+    prefix_num_warps: int | None = None
+    prefix_num_stages: int | None = None
+    side_stream: bool = False
+    combine_dim_block: int | None = None
+    combine_chunk_cap: int = 16
+
+    def __post_init__(self) -> None:
+        block = self.combine_dim_block
+        if block is not None and (block < 16 or block & (block - 1)):
+            raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {block}")
+        if self.combine_chunk_cap < 1 or self.combine_chunk_cap & (self.combine_chunk_cap - 1):
+            raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
+
+
+DEFAULT_KNOBS = DecodeKnobs()
+
+
+@dataclass(frozen=True)
+class Partials:
+    """Scratch of one decode call: normalized fp32 partial outputs and their log-sum-exps (prefix rows first)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    prefix_rows: int
+    rows: int
 
 
 def _next_power_of_two(value: int) -> int:
@@ -194,7 +248,22 @@ def launch_plan(
     )
 
 
-def launch_forest_decode(
+def allocate_partials(plan: ForestPlan, head_dim: int, device: torch.device) -> Partials:
+    """Partial rows for every prefix item (``prefix_block_m`` rows) and suffix item (``rows``) the plan can hold."""
+    rows = max(2, _next_power_of_two(plan.max_query_len * plan.queries_per_kv))
+    prefix_rows = plan.max_prefix_work * plan.num_kv_heads * plan.prefix_block_m
+    suffix_rows = plan.max_suffix_work * plan.num_kv_heads * rows
+    part_out = torch.empty((prefix_rows + suffix_rows) * head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(prefix_rows + suffix_rows, dtype=torch.float32, device=device)
+    return Partials(out=part_out, lse=part_lse, prefix_rows=prefix_rows, rows=rows)
+
+
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device_index)
+
+
+def launch_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -202,8 +271,13 @@ def launch_forest_decode(
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
-) -> None:
-    from arctic_dedup.forest._kernels import forest_attention_kernel, forest_combine_kernel
+    partials: Partials,
+    knobs: DecodeKnobs = DEFAULT_KNOBS,
+    passes: tuple[int, ...] | None = None,
+) -> list[Any]:
+    """The attention launch(es): ``passes`` (0 both kinds of items, 1 prefix items, 2 suffix items) default to the
+    knobs' choice. Returns what each launch returned (the compiled kernels on CUDA) for resource reports."""
+    from arctic_dedup.forest._kernels import forest_attention_kernel
 
     config = plan.config
     num_requests = plan.num_requests
@@ -214,7 +288,6 @@ def launch_forest_decode(
     head_block = max(16, _next_power_of_two(head_dim))
     rows_per_request = query_max * group_size
     suffix_block_m = max(16, _next_power_of_two(rows_per_request))
-    rows = max(2, _next_power_of_two(rows_per_request))
     upcast = interpreting() or query.dtype == torch.float32
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     scale_log2 = float(scale) * 1.4426950408889634
@@ -224,102 +297,155 @@ def launch_forest_decode(
     prefix_block_n = min(config.prefix_block_n, 64) if wide else config.prefix_block_n
     suffix_block_n = min(config.suffix_block_n, 64) if wide else config.suffix_block_n
     num_stages = min(config.num_stages, 2) if wide else config.num_stages
+    prefix_warps = knobs.prefix_num_warps if knobs.prefix_num_warps is not None else config.num_warps
+    prefix_stages = knobs.prefix_num_stages if knobs.prefix_num_stages is not None else config.num_stages
+    if wide:
+        prefix_warps, prefix_stages = max(prefix_warps, 8), min(prefix_stages, 2)
+    if passes is None:
+        passes = (1, 2) if knobs.split_passes and plan.shares else (0,)
+    if 1 in passes and not plan.shares:
+        raise PlanError("a prefix pass needs a plan with groups (plan_forest), got a plan without (plan_paged).")
     table = plan.block_table
     if table.stride(1) != 1:
         table = table.contiguous()
     k_strides = key_cache.stride()
     v_strides = value_cache.stride()
     q_strides = query.stride()
-
-    prefix_rows = plan.max_prefix_work * num_kv_heads * plan.prefix_block_m
-    suffix_rows = plan.max_suffix_work * num_kv_heads * rows
-    part_out = torch.empty((prefix_rows + suffix_rows) * head_dim, dtype=torch.float32, device=query.device)
-    part_lse = torch.empty(prefix_rows + suffix_rows, dtype=torch.float32, device=query.device)
+    prefix_rows = partials.prefix_rows
     owners_block = _next_power_of_two(max(2, 2 * num_requests))
-    forest_attention_kernel[((plan.max_prefix_work + plan.max_suffix_work) * num_kv_heads,)](
-        query,
-        key_cache,
-        value_cache,
-        table,
-        plan.query_start_loc,
-        plan.seq_lens,
-        plan.prefix_blocks,
-        plan.tile_of,
-        plan.tile_leader,
-        plan.tile_prefix_blocks,
-        plan.tile_member_start,
-        plan.tile_member_count,
-        plan.member_list,
-        plan.work_start,
-        plan.split_tokens,
-        out,
-        lse,
-        part_out,
-        part_lse,
-        part_out[prefix_rows * head_dim :],
-        part_lse[prefix_rows:],
-        scale_log2,
-        q_strides[0],
-        q_strides[1],
-        q_strides[2],
-        k_strides[0],
-        k_strides[1],
-        k_strides[2],
-        k_strides[3],
-        v_strides[0],
-        v_strides[1],
-        v_strides[2],
-        v_strides[3],
-        table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        lse.stride(0),
-        lse.stride(1),
-        num_requests,
-        head_dim,
-        num_kv_heads,
-        HAS_PREFIX=plan.shares,
-        OWNERS_BLOCK=owners_block,
-        G=group_size,
-        QMAX=query_max,
-        PAGE=plan.block_size,
-        PREFIX_BLOCK_M=plan.prefix_block_m,
-        SUFFIX_BLOCK_M=suffix_block_m,
-        ROWS=rows,
-        PREFIX_BLOCK_N=prefix_block_n,
-        SUFFIX_BLOCK_N=suffix_block_n,
-        HEAD_DIM=head_block,
-        UPCAST=upcast,
-        DOT_PRECISION=precision,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    chunk = max(1, min(16, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (rows * head_block))))
-    forest_combine_kernel[(num_requests * num_kv_heads,)](
+
+    def launch(which: int) -> Any:
+        programs = {0: plan.max_prefix_work + plan.max_suffix_work, 1: plan.max_prefix_work, 2: plan.max_suffix_work}
+        warps, stages = (prefix_warps, prefix_stages) if which == 1 else (num_warps, num_stages)
+        return forest_attention_kernel[(programs[which] * num_kv_heads,)](
+            query,
+            key_cache,
+            value_cache,
+            table,
+            plan.query_start_loc,
+            plan.seq_lens,
+            plan.prefix_blocks,
+            plan.tile_of,
+            plan.tile_leader,
+            plan.tile_prefix_blocks,
+            plan.tile_member_start,
+            plan.tile_member_count,
+            plan.member_list,
+            plan.work_start,
+            plan.split_tokens,
+            out,
+            lse,
+            partials.out,
+            partials.lse,
+            partials.out[prefix_rows * head_dim :],
+            partials.lse[prefix_rows:],
+            scale_log2,
+            q_strides[0],
+            q_strides[1],
+            q_strides[2],
+            k_strides[0],
+            k_strides[1],
+            k_strides[2],
+            k_strides[3],
+            v_strides[0],
+            v_strides[1],
+            v_strides[2],
+            v_strides[3],
+            table.stride(0),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            num_requests,
+            head_dim,
+            num_kv_heads,
+            HAS_PREFIX=plan.shares,
+            OWNERS_BLOCK=owners_block,
+            G=group_size,
+            QMAX=query_max,
+            PAGE=plan.block_size,
+            PREFIX_BLOCK_M=plan.prefix_block_m,
+            SUFFIX_BLOCK_M=suffix_block_m,
+            ROWS=partials.rows,
+            PREFIX_BLOCK_N=prefix_block_n,
+            SUFFIX_BLOCK_N=suffix_block_n,
+            HEAD_DIM=head_block,
+            UPCAST=upcast,
+            DOT_PRECISION=precision,
+            PASS=which,
+            num_warps=warps,
+            num_stages=stages,
+        )
+
+    if knobs.side_stream and passes == (1, 2) and query.is_cuda:
+        main = torch.cuda.current_stream(query.device)
+        side = _side_stream(query.device.index if query.device.index is not None else torch.cuda.current_device())
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            compiled = [launch(1)]
+        compiled.append(launch(2))
+        main.wait_stream(side)
+        return compiled
+    return [launch(which) for which in passes]
+
+
+def launch_combine(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plan: ForestPlan,
+    partials: Partials,
+    head_dim: int,
+    knobs: DecodeKnobs = DEFAULT_KNOBS,
+) -> Any:
+    """Merge every request's partials (requests written directly by the attention launch are skipped)."""
+    from arctic_dedup.forest._kernels import forest_combine_kernel
+
+    head_block = max(16, _next_power_of_two(head_dim))
+    dim_block = min(head_block, knobs.combine_dim_block or head_block)
+    dim_chunks = head_block // dim_block
+    rows = partials.rows
+    chunk = max(1, min(knobs.combine_chunk_cap, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (rows * dim_block))))
+    return forest_combine_kernel[(plan.num_requests * plan.num_kv_heads * dim_chunks,)](
         out,
         lse,
         plan.query_start_loc,
         plan.tile_of,
         plan.slot_in_tile,
         plan.work_start,
-        part_out,
-        part_lse,
-        prefix_rows,
+        partials.out,
+        partials.lse,
+        partials.prefix_rows,
         out.stride(0),
         out.stride(1),
         out.stride(2),
         lse.stride(0),
         lse.stride(1),
-        num_requests,
+        plan.num_requests,
         head_dim,
-        num_kv_heads,
+        plan.num_kv_heads,
+        dim_chunks,
         HAS_PREFIX=plan.shares,
-        G=group_size,
-        QMAX=query_max,
+        G=plan.queries_per_kv,
+        QMAX=plan.max_query_len,
         PREFIX_BLOCK_M=plan.prefix_block_m,
         ROWS=rows,
         CHUNK=chunk,
-        HEAD_DIM=head_block,
+        DIM_BLOCK=dim_block,
         num_warps=4,
     )
+
+
+def launch_forest_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: ForestPlan,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    knobs: DecodeKnobs = DEFAULT_KNOBS,
+) -> None:
+    partials = allocate_partials(plan, query.shape[2], query.device)
+    launch_attention(query, key_cache, value_cache, plan, scale, out, lse, partials, knobs)
+    launch_combine(out, lse, plan, partials, query.shape[2], knobs)
