@@ -101,6 +101,35 @@ def _compile_all() -> None:
         shared = compiled.metadata.shared  # type: ignore[attr-defined]
         assert 3 * (shared + 1024) <= SHARED_PER_SM, shared
     assert paged.metadata.shared > 2 * 64 * 128 * 2 * 2  # type: ignore[attr-defined]
+    _compile_diagnosis_variants()
+
+
+def _compile_diagnosis_variants() -> None:
+    """The launches that ``benchmarks/fca_decode.py --diagnose`` compares compile for Hopper and fit its memory."""
+    from arctic_dedup.forest import _kernels
+
+    attention = [
+        ({"PASS": 1}, 4, 3),
+        ({"PASS": 1, "PREFIX_BLOCK_N": 64}, 4, 3),
+        ({"PASS": 1, "PREFIX_BLOCK_N": 128}, 8, 2),
+        ({"PASS": 2}, 4, 3),
+        ({"PASS": 2, "SUFFIX_BLOCK_N": 64}, 4, 3),
+        ({"PREFIX_BLOCK_N": 64}, 4, 3),
+        ({"PREFIX_BLOCK_N": 64}, 4, 2),
+    ]
+    for overrides, num_warps, num_stages in attention:
+        compiled = compile_attention(True, num_warps, num_stages, **overrides)
+        shared = compiled.metadata.shared  # type: ignore[attr-defined]
+        assert shared + 1024 <= SHARED_PER_SM, (overrides, shared)
+        # Still pipelined: more than one buffer per K/V operand.
+        block_n = overrides.get("SUFFIX_BLOCK_N" if overrides.get("PASS") == 2 else "PREFIX_BLOCK_N", 32)
+        assert shared > 2 * block_n * 128 * 2 * 2, (overrides, shared)
+    _compile(
+        _kernels.forest_combine_kernel,
+        {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 64, "DIM_BLOCK": 32},
+        4,
+        1,
+    )
 
 
 @pytest.mark.slow
