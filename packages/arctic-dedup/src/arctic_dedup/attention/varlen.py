@@ -214,8 +214,9 @@ class _FlashAttnPackage:
 class _TorchCudnn:
     """cuDNN's ragged-layout SDPA kernels through torch's aten ops (q/k/v ``[total, H, D]``, GQA native).
 
-    The log-sum-exp comes back per query row and head; it is handed to the rest of this module as ``[H, rows]``
-    and turned back into the kernel's own layout for the backward call.
+    The log-sum-exp comes back per query row and head (``[rows, H, 1]`` with torch 2.11 / cuDNN 9.19); it is handed
+    to the rest of this module as ``[H, rows]`` and turned back into the kernel's own layout for the backward call.
+    cu_seqlens must be int32 (int64 offsets give wrong results without an error on that version).
     """
 
     @staticmethod
@@ -255,9 +256,9 @@ class _TorchCudnn:
             kernel_lse = lse.t().contiguous().reshape(layout)
         else:
             kernel_lse = lse.contiguous().reshape(layout)
-        empty_bias = torch.empty(0, device=q.device, dtype=q.dtype)
+        # No bias: None reaches the kernel as an undefined tensor (an empty one would be read as a bias).
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out, q, k, v, out, kernel_lse, seed, offset, empty_bias, part.cu_seqlens_q, part.cu_seqlens_k,
+            grad_out, q, k, v, out, kernel_lse, seed, offset, None, part.cu_seqlens_q, part.cu_seqlens_k,
             part.max_seqlen_q, part.max_seqlen_k, 0.0, part.causal, scale=scale,
         )  # fmt: skip
         return dq, dk, dv
