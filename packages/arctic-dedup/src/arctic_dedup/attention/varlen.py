@@ -6,11 +6,9 @@ query's partial results merge by log-sum-exp. The backward pass calls the flash 
 the *merged* output and log-sum-exp, which makes each part's probabilities the global ones, so the per-part
 gradients are exactly the pieces of the full gradient (dQ and dK/dV are summed over the parts).
 
-Kernels (``varlen_kernel_source``): the ``flash_attn`` package's varlen kernels when it is installed, otherwise the
-same FlashAttention-2 kernels that torch ships (``torch.ops.aten._flash_attention_forward``, which also backs
-``torch.nn.attention.varlen.varlen_attn``); ``ARCTIC_VARLEN_KERNELS=cudnn`` selects cuDNN's ragged (THD) SDPA
-kernels through ``torch.ops.aten._cudnn_attention_forward`` / ``_cudnn_attention_backward`` (GQA native), and
-``=flash`` / ``=flash_attn`` force the others. CUDA only; bf16/fp16; no softcap or sliding window (a window measured
+Kernels: the ``flash_attn`` package's varlen kernels when it is installed, otherwise the same FlashAttention-2
+kernels that torch ships (``torch.ops.aten._flash_attention_forward``, which also backs
+``torch.nn.attention.varlen.varlen_attn``). CUDA only; bf16/fp16; no softcap or sliding window (a window measured
 in logical positions cannot be expressed per varlen call once queries of several branches share a call).
 """
 
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,31 +28,15 @@ if TYPE_CHECKING:
 __all__ = ["varlen_available", "varlen_kernel_source", "varlen_tree_attention"]
 
 
-KERNEL_SOURCE_VARIABLE = "ARCTIC_VARLEN_KERNELS"
-_KERNEL_SOURCES = {"flash_attn": "flash_attn", "flash": "torch", "cudnn": "cudnn"}
-
-
 def varlen_kernel_source() -> str:
-    """``"flash_attn"`` when that package is importable, else ``"torch"`` (torch's bundled FlashAttention-2);
-    ``ARCTIC_VARLEN_KERNELS`` (``flash_attn``, ``flash`` or ``cudnn``) overrides the choice."""
-    requested = os.environ.get(KERNEL_SOURCE_VARIABLE, "").strip().lower()
-    if requested:
-        if requested not in _KERNEL_SOURCES:
-            raise ValueError(
-                f"{KERNEL_SOURCE_VARIABLE}={requested!r} is not a varlen kernel source; use one of "
-                f"{sorted(_KERNEL_SOURCES)} or unset it."
-            )
-        return _KERNEL_SOURCES[requested]
+    """``"flash_attn"`` when that package is importable, else ``"torch"`` (torch's bundled FlashAttention-2)."""
     return "flash_attn" if importlib.util.find_spec("flash_attn") is not None else "torch"
 
 
 def varlen_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    source = varlen_kernel_source()
-    if source == "cudnn":
-        return hasattr(torch.ops.aten, "_cudnn_attention_forward") and torch.backends.cudnn.is_available()
-    return source == "flash_attn" or hasattr(torch.ops.aten, "_flash_attention_forward")
+    return torch.cuda.is_available() and (
+        varlen_kernel_source() == "flash_attn" or hasattr(torch.ops.aten, "_flash_attention_forward")
+    )
 
 
 @dataclass(frozen=True)
@@ -211,64 +192,8 @@ class _FlashAttnPackage:
         return dq, dk, dv
 
 
-class _TorchCudnn:
-    """cuDNN's ragged-layout SDPA kernels through torch's aten ops (q/k/v ``[total, H, D]``, GQA native).
-
-    The log-sum-exp comes back per query row and head (``[rows, H, 1]`` with torch 2.11 / cuDNN 9.19); it is handed
-    to the rest of this module as ``[H, rows]`` and turned back into the kernel's own layout for the backward call.
-    cu_seqlens must be int32 (int64 offsets give wrong results without an error on that version).
-    """
-
-    @staticmethod
-    def forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: _Segments, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
-        result = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, True, 0.0,
-            part.causal, False, scale=scale,
-        )  # fmt: skip
-        lse = result[1]
-        rows, heads = q.shape[0], q.shape[1]
-        if tuple(lse.shape) in ((rows, heads), (rows, heads, 1)):
-            layout = tuple(lse.shape)
-            lse_h_rows = lse.reshape(rows, heads).t()
-        else:
-            layout = tuple(lse.shape)
-            lse_h_rows = lse.reshape(heads, rows) if lse.numel() == rows * heads else lse
-        return result[0], lse_h_rows, (result[6], result[7], layout)
-
-    @staticmethod
-    @once_differentiable
-    def backward(
-        grad_out: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        part: _Segments,
-        scale: float,
-        state: tuple[Any, ...],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        seed, offset, layout = state
-        rows, heads = q.shape[0], q.shape[1]
-        if layout in ((rows, heads), (rows, heads, 1)):
-            kernel_lse = lse.t().contiguous().reshape(layout)
-        else:
-            kernel_lse = lse.contiguous().reshape(layout)
-        # No bias: None reaches the kernel as an undefined tensor (an empty one would be read as a bias).
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out, q, k, v, out, kernel_lse, seed, offset, None, part.cu_seqlens_q, part.cu_seqlens_k,
-            part.max_seqlen_q, part.max_seqlen_k, 0.0, part.causal, scale=scale,
-        )  # fmt: skip
-        return dq, dk, dv
-
-
-def _kernels() -> type[_TorchFlash] | type[_FlashAttnPackage] | type[_TorchCudnn]:
-    source = varlen_kernel_source()
-    if source == "cudnn":
-        return _TorchCudnn
-    return _FlashAttnPackage if source == "flash_attn" else _TorchFlash
+def _kernels() -> type[_TorchFlash] | type[_FlashAttnPackage]:
+    return _FlashAttnPackage if varlen_kernel_source() == "flash_attn" else _TorchFlash
 
 
 def _rows(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
