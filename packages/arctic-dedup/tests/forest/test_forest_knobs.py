@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -151,5 +152,6 @@ def test_prefix_pass_needs_groups() -> None:
     ],
 )
 def test_knobs_are_validated(field: str, value: int, message: str) -> None:
+    arguments: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=message):
-        DecodeKnobs(**{field: value})
+        DecodeKnobs(**arguments)
