@@ -447,6 +447,10 @@ def section_backward_sweep(
     run: Run, plan: Plan, base: TritonConfig, reference_backend: TreeAttentionBackend = "flex"
 ) -> None:
     """Each backward variant: gradients against ``reference_backend``'s, then the backward alone (median ms)."""
+    import torch._functorch.config as functorch_config
+
+    # The reference backward is replayed with retain_graph=True; compiled FlexAttention's donated buffers forbid that.
+    functorch_config.donated_buffer = False
     q, k, v = _inputs(plan, seed=29)
     grad = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
     scale = HEAD_DIM**-0.5

@@ -17,6 +17,7 @@ and transformers' torch fallback otherwise (nodes right-padded to the level's lo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import warnings
@@ -170,21 +171,37 @@ def tree_causal_conv(
 def fla_unusable_reason(device: torch.device) -> str | None:
     """Why fla's gated chunk kernels cannot train on ``device`` here, or None when they can.
 
-    fla refuses (rather than silently computing wrong gradients) the gated ``chunk_bwd_dqkwg`` backward on Hopper
-    with Triton >= 3.4 and < 3.7.1 unless its TileLang backend is installed (fla issue #640).
+    Decided once per device by running fla's ``chunk_gated_delta_rule`` forward and backward on a tiny input: fla
+    refuses some setups outright (the gated backward on Hopper with Triton >= 3.4 and < 3.7.1 without its TileLang
+    backend, fla issue #640), and that refusal only surfaces inside the backward pass, too late to fall back.
     """
     if importlib.util.find_spec("fla") is None:
         return "flash-linear-attention is not installed (install `arctic-zorro-train[fla]`)"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+    if device.type != "cuda":
         return None
-    import triton
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _fla_probe(index)
 
-    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3] if part.isdigit())
-    if (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
-        return (
-            f"fla's gated backward is wrong on Hopper with Triton {triton.__version__} and fla refuses it "
-            "(needs Triton >= 3.7.1 or `pip install tilelang`)"
-        )
+
+@functools.cache
+def _fla_probe(device_index: int) -> str | None:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    generator = torch.Generator(device=f"cuda:{device_index}").manual_seed(0)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        values = torch.randn(*shape, device=f"cuda:{device_index}", generator=generator)
+        return values.to(torch.bfloat16).requires_grad_(True)
+
+    q, k, v = tensor(1, 64, 1, 64), tensor(1, 64, 1, 64), tensor(1, 64, 1, 64)
+    g = (-torch.rand(1, 64, 1, device=f"cuda:{device_index}", generator=generator)).requires_grad_(True)
+    beta = torch.rand(1, 64, 1, device=f"cuda:{device_index}", generator=generator).to(torch.bfloat16)
+    try:
+        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        out.float().sum().backward()
+    except Exception as error:  # fla's refusal (or any failure) means: use the torch kernel
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"fla's gated chunk kernels fail on this GPU/Triton ({first_line})"
     return None
 
 
