@@ -155,7 +155,7 @@ def test_dense_bf16_gradients_match_plain_transformers() -> None:
 def test_hybrid_bf16_gradients_match_the_non_deduplicated_run() -> None:
     from arctic_zorro_train.gated_delta import fla_unusable_reason
 
-    kernel = "torch" if fla_unusable_reason(torch.device("cuda")) else "fla"
+    kernel = "torch" if fla_unusable_reason(torch.device("cuda"), torch.bfloat16) else "fla"
     model = _model("qwen3_5")
     batch = _batch(seed=2)
     truth = _truth(model, batch)

@@ -168,45 +168,46 @@ def tree_causal_conv(
     return whole.index_copy(0, schedule.fix_index, fixed)
 
 
-def fla_unusable_reason(device: torch.device) -> str | None:
-    """Why fla's gated chunk kernels cannot train on ``device`` here, or None when they can.
+def fla_unusable_reason(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why fla's gated chunk kernels cannot train in ``dtype`` on ``device`` here, or None when they can.
 
-    Decided once per device by running fla's ``chunk_gated_delta_rule`` forward and backward on a tiny input: fla
+    Decided once per device and dtype by running fla's ``chunk_gated_delta_rule`` forward and backward on a tiny input: fla
     refuses some setups outright (the gated backward on Hopper with Triton >= 3.4 and < 3.7.1 without its TileLang
-    backend, fla issue #640), and that refusal only surfaces inside the backward pass, too late to fall back.
+    backend, fla issue #640; on the H200 with Triton 3.6 fla takes bf16 through another backend and refuses fp32),
+    and that refusal only surfaces inside the backward pass, too late to fall back.
     """
     if importlib.util.find_spec("fla") is None:
         return "flash-linear-attention is not installed (install `arctic-zorro-train[fla]`)"
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _fla_probe(index)
+    return _fla_probe(index, dtype)
 
 
 @functools.cache
-def _fla_probe(device_index: int) -> str | None:
+def _fla_probe(device_index: int, dtype: torch.dtype) -> str | None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     generator = torch.Generator(device=f"cuda:{device_index}").manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
         values = torch.randn(*shape, device=f"cuda:{device_index}", generator=generator)
-        return values.to(torch.bfloat16).requires_grad_(True)
+        return values.to(dtype).requires_grad_(True)
 
     q, k, v = tensor(1, 64, 1, 64), tensor(1, 64, 1, 64), tensor(1, 64, 1, 64)
     g = (-torch.rand(1, 64, 1, device=f"cuda:{device_index}", generator=generator)).requires_grad_(True)
-    beta = torch.rand(1, 64, 1, device=f"cuda:{device_index}", generator=generator).to(torch.bfloat16)
+    beta = torch.rand(1, 64, 1, device=f"cuda:{device_index}", generator=generator).to(dtype)
     try:
         out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
         out.float().sum().backward()
     except Exception as error:  # fla's refusal (or any failure) means: use the torch kernel
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"fla's gated chunk kernels fail on this GPU/Triton ({first_line})"
+        return f"fla's gated chunk kernels fail in {dtype} on this GPU/Triton ({first_line})"
     return None
 
 
-def _fla_chunk_rule(device: torch.device) -> Callable[..., Any] | None:
-    reason = fla_unusable_reason(device)
+def _fla_chunk_rule(device: torch.device, dtype: torch.dtype) -> Callable[..., Any] | None:
+    reason = fla_unusable_reason(device, dtype)
     if reason is not None:
         warnings.warn(
             f"{reason}: Gated DeltaNet layers run transformers' torch kernel on CUDA (exact but slow).",
@@ -236,7 +237,7 @@ def tree_gated_delta_rule(
 ) -> torch.Tensor:
     """The gated delta rule over the tree. query/key ``[T, H, Dk]``, value ``[T, H, Dv]``, g/beta ``[T, H]``
     -> ``[T, H, Dv]``. q and k are L2-normalized inside (as transformers' Gated DeltaNet layers ask)."""
-    fla_rule = _fla_chunk_rule(query.device) if query.is_cuda else None
+    fla_rule = _fla_chunk_rule(query.device, query.dtype) if query.is_cuda else None
     outputs: list[torch.Tensor] = []
     final_states: torch.Tensor | None = None
     for level in schedule.levels:
