@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
@@ -284,7 +285,9 @@ def _torch_chunk_rule_for(module: Any) -> Callable[..., tuple[torch.Tensor, torc
             f"{type(module).__module__} has no `torch_chunk_gated_delta_rule`; this transformers version is not "
             "supported by arctic-zorro-train's Gated DeltaNet path (tested with transformers 5.17-5.19)."
         )
-    return rule  # type: ignore[no-any-return]
+    # transformers wraps this function so that it calls fla when fla is importable
+    # (``use_kernel_func_from_hub_with_fallback``); the torch kernel is the wrapped function.
+    return inspect.unwrap(rule)  # type: ignore[no-any-return]
 
 
 def gated_delta_tree_forward(
