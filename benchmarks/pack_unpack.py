@@ -69,7 +69,7 @@ def main() -> None:
     # (a whole 2560-wide row per program).
     variants = [(2048, 512, 4)] if args.quick else [(8192, 512, 8), (4096, 1024, 4)]
     scatter_variants = (
-        [(4, 2048, 4, True)] if args.quick else list(itertools.product([4, 8], [1024, 2048, 4096], [4, 8], [True]))
+        [(4, 4096, 4, True)] if args.quick else list(itertools.product([4, 8], [1024, 2048, 4096], [4, 8], [True]))
     )
     rows = []
     for (case_name, layout), (width_name, trailing) in itertools.product(cases.items(), widths.items()):
