@@ -70,6 +70,7 @@ from arctic_dedup.forest._launch import (
     launch_combine,
     launch_forest_decode,
 )
+from arctic_dedup.forest.plan import default_forest_config
 from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
 
 LAYERS = 36
@@ -547,30 +548,78 @@ def _cases(shape: Shape, smoke: bool) -> dict[str, tuple[list[int], list[list[in
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to run forest decode's kernels: a kernel config (public) plus internal launch knobs."""
+    """One way to run forest decode's kernels: a kernel config (public; ``None``: ``plan_forest``'s default rule)
+    plus internal launch knobs."""
 
     name: str
     about: str
-    config: ForestKernelConfig
+    config: ForestKernelConfig | None
     knobs: DecodeKnobs = field(default_factory=DecodeKnobs)
+
+    def config_for(self, batch: DecodeBatch) -> ForestKernelConfig:
+        if self.config is not None:
+            return self.config
+        device = batch.block_table.device
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        return default_forest_config(batch.seq_lens.shape[0], batch.key_cache.shape[2], sms)
+
+    @property
+    def split(self) -> bool:
+        return self.knobs.split_passes or (self.config is not None and self.config.split_passes)
 
 
 def _variants() -> list[Variant]:
-    """Candidates of version 3, most informative first (a run cut short by ``--budget-s`` keeps the first ones)."""
+    """Version 3 round 2 candidates first (most informative first; a run cut short by ``--budget-s`` keeps the
+    first ones), then the round 1 variants they are compared with. Predictions: ``forest/NOTES.md``."""
     base = ForestKernelConfig()
-    p128 = replace(base, prefix_block_n=128, prefix_waves=1.0)
     p64 = replace(base, prefix_block_n=64)
-    stream128 = DecodeKnobs(split_passes=True, prefix_num_warps=8, prefix_num_stages=2, side_stream=True)
     stream64 = DecodeKnobs(split_passes=True, prefix_num_warps=4, prefix_num_stages=3, side_stream=True)
+    p64_s64 = replace(base, prefix_block_n=64, suffix_block_n=64, split_passes=True)
+    deep = replace(base, num_stages=5, split_passes=True)
     return [
-        Variant("v2", "version 2: one launch, prefix tiles 64x32, 4 warps, 3 stages, 2 prefix programs/SM", base),
         Variant(
-            "stream_p128",
-            "prefix pass (64x128 tiles, 8 warps, 2 stages, 1 prefix program/SM) on a side stream beside the suffix "
-            "pass (v2 tiles)",
-            p128,
-            stream128,
+            "v3_default", "plan_forest's default rule (v2_w1 for <= 1 (request, kv head) per SM, else stream_p64)", None
         ),
+        Variant(
+            "split_p64_s64",
+            "prefix pass 64x64 tiles (2/SM) on a side stream, suffix pass 64-token tiles (3/SM, 70 KB)",
+            p64_s64,
+        ),
+        Variant(
+            "split_p32_deep",
+            "prefix pass 64x32 tiles, 6 stages (112 KB, 2/SM, 5 tiles in flight); suffix pass 5 stages (69 KB, 3/SM)",
+            deep,
+            DecodeKnobs(split_passes=True, prefix_num_warps=4, prefix_num_stages=6, side_stream=True),
+        ),
+        Variant(
+            "split_p64_s64_c8",
+            "split_p64_s64 with combine chunks of 8 partials (half the registers: more combine programs per SM)",
+            p64_s64,
+            DecodeKnobs(combine_chunk_cap=8),
+        ),
+        Variant(
+            "split_p64_s64_noside",
+            "split_p64_s64 with the two passes one after the other (side stream off)",
+            replace(p64_s64, split_passes=False),
+            DecodeKnobs(split_passes=True),
+        ),
+        Variant(
+            "w1_p64",
+            "one launch, 64x64 prefix tiles, prefix_waves 1, waves 1",
+            replace(p64, prefix_waves=1.0, waves=1.0),
+        ),
+        Variant(
+            "split_p64_s64_w1",
+            "split_p64_s64 with prefix_waves 1 and waves 1",
+            replace(p64_s64, prefix_waves=1.0, waves=1.0),
+        ),
+        Variant(
+            "w1_combine32",
+            "v2_w1 with the combine in 32-dim slices, all partials loaded at once",
+            replace(base, prefix_waves=1.0, waves=1.0),
+            DecodeKnobs(combine_dim_block=32, combine_chunk_cap=64),
+        ),
+        Variant("v2", "version 2: one launch, prefix tiles 64x32, 4 warps, 3 stages, 2 prefix programs/SM", base),
         Variant(
             "stream_p64",
             "prefix pass (64x64 tiles, 4 warps, 3 stages) on a side stream beside the suffix pass",
@@ -578,54 +627,29 @@ def _variants() -> list[Variant]:
             stream64,
         ),
         Variant(
-            "split_p128",
-            "stream_p128's two passes one after the other (no side stream)",
-            p128,
-            replace(stream128, side_stream=False),
-        ),
-        Variant("p64", "one launch with 64x64 prefix tiles (112 KB shared: 2 programs/SM for every item)", p64),
-        Variant(
-            "v2_pw4",
-            "v2 with 4 prefix programs/SM (prefix_waves 4: shorter prefix items)",
-            replace(base, prefix_waves=4.0),
-        ),
-        Variant(
             "v2_w1",
             "v2 with prefix_waves 1 and waves 1: about one wave in all",
             replace(base, prefix_waves=1.0, waves=1.0),
         ),
+        Variant("p64", "one launch with 64x64 prefix tiles (112 KB shared: 2 programs/SM for every item)", p64),
         Variant(
             "v2_combine32",
             "v2 with the combine in 32-dim slices, all partials loaded at once",
             base,
             DecodeKnobs(combine_dim_block=32, combine_chunk_cap=64),
         ),
-        Variant("stream_p128_pw2", "stream_p128 with 2 prefix programs/SM", replace(p128, prefix_waves=2.0), stream128),
-        Variant(
-            "stream_p128_c32",
-            "stream_p128 with v2_combine32's combine",
-            p128,
-            replace(stream128, combine_dim_block=32, combine_chunk_cap=64),
-        ),
-        Variant("stream_p64_pw4", "stream_p64 with 4 prefix programs/SM", replace(p64, prefix_waves=4.0), stream64),
-        Variant("p64_s2", "one launch, 64x64 prefix tiles, 2 stages (80 KB shared)", replace(p64, num_stages=2)),
-        Variant(
-            "stream_p128_s64",
-            "stream_p128 with 64-token suffix tiles (the per-request kernel's)",
-            replace(p128, suffix_block_n=64),
-            stream128,
-        ),
-        Variant("v2_pw8", "v2 with 8 prefix programs/SM", replace(base, prefix_waves=8.0)),
     ]
 
 
 def _compile_signature(case_name: str, variant: Variant) -> tuple[Any, ...]:
     config, knobs = variant.config, variant.knobs
+    if config is None:
+        return (case_name, variant.name)
     tiles = (config.prefix_block_m, config.prefix_block_n, config.suffix_block_n, config.num_warps, config.num_stages)
     return (
         case_name,
         tiles,
-        knobs.split_passes,
+        variant.split,
         knobs.prefix_num_warps,
         knobs.prefix_num_stages,
         knobs.combine_dim_block,
@@ -641,7 +665,7 @@ def _precompile_job(job: tuple[str, str, bool]) -> str:
         variant = {v.name: v for v in _variants()}[variant_name]
         case = Case(case_name, *_cases(shape, smoke)[case_name], shape=shape, copies=1)
         batch = case.batches[0]
-        plan = _forest_plan(batch, shape, variant.config, case.workspaces[0])
+        plan = _forest_plan(batch, shape, variant.config_for(batch), case.workspaces[0])
         partials = allocate_partials(plan, shape.head_dim, batch.query.device)
         out = torch.empty_like(batch.query)
         lse = torch.empty(batch.query.shape[:2], device=batch.query.device)
@@ -650,7 +674,7 @@ def _precompile_job(job: tuple[str, str, bool]) -> str:
             batch.query, batch.key_cache, batch.value_cache, plan, scale, out, lse, partials, variant.knobs
         )
         launch_combine(out, lse, plan, partials, shape.head_dim, variant.knobs)
-        if variant.name == "v2":
+        if variant.name == "v2" or variant.split:
             for passes in ((1,), (2,)):
                 launch_attention(
                     batch.query,
@@ -767,7 +791,7 @@ class Diagnosis:
     def setups(self, variant: Variant) -> list[_Setup]:
         result = []
         for batch, workspace in zip(self.case.batches, self.case.workspaces, strict=True):
-            plan = _forest_plan(batch, self.case.shape, variant.config, workspace)
+            plan = _forest_plan(batch, self.case.shape, variant.config_for(batch), workspace)
             result.append(
                 _Setup(
                     batch=batch,
@@ -844,7 +868,7 @@ class Diagnosis:
             "occupancy": _occupancy(compiled),
             **check,
             "about": variant.about,
-            "config": str(variant.config),
+            "config": str(variant.config_for(self.case.batches[0])),
             "knobs": str(knobs),
         }
         if not check["ok"]:
@@ -854,6 +878,14 @@ class Diagnosis:
         kernels_us = self.time([partial(self.kernels, s, knobs) for s in setups])
         unique = self.case.unique_bytes
         tbps = unique / kernels_us / 1e6
+        if variant.split:
+            # Each pass alone (same binaries): the prefix pass's rate is the number version 3 is after.
+            prefix_us = self.time([partial(self.attention, s, knobs, (1,)) for s in setups])
+            suffix_us = self.time([partial(self.attention, s, knobs, (2,)) for s in setups])
+            base["prefix_pass_us"] = prefix_us
+            base["prefix_pass_TB/s"] = self.prefix_bytes / prefix_us / 1e6
+            base["suffix_pass_us"] = suffix_us
+            base["suffix_pass_TB/s"] = self.suffix_bytes / suffix_us / 1e6
         return {
             **base,
             "attention_us": attention_us,
@@ -876,7 +908,7 @@ class Diagnosis:
                 out: torch.Tensor = out,
                 lse: torch.Tensor = lse,
             ) -> None:
-                plan = _forest_plan(batch, self.case.shape, variant.config, workspace)
+                plan = _forest_plan(batch, self.case.shape, variant.config_for(batch), workspace)
                 launch_forest_decode(
                     batch.query, batch.key_cache, batch.value_cache, plan, self.scale, out, lse, variant.knobs
                 )
@@ -991,7 +1023,10 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
     for diagnosis in diagnoses:
         name = diagnosis.case.name
         timed = sorted((r for r in results[name] if "kernels_us" in r), key=lambda r: r["kernels_us"])
-        for result in [r for r in timed if r["variant"] == "v2"] + [r for r in timed[:2] if r["variant"] != "v2"]:
+        always = ("v2", "v3_default")
+        for result in [r for r in timed if r["variant"] in always] + [
+            r for r in timed[:2] if r["variant"] not in always
+        ]:
             if time.time() - started > args.budget_s + 20:
                 break
             result["whole_op_us"] = diagnosis.whole_op_us(by_name[result["variant"]])

@@ -116,6 +116,9 @@ def _compile_diagnosis_variants() -> None:
         ({"PASS": 2, "SUFFIX_BLOCK_N": 64}, 4, 3),
         ({"PREFIX_BLOCK_N": 64}, 4, 3),
         ({"PREFIX_BLOCK_N": 64}, 4, 2),
+        # Version 3 round 2: deep prefix pipeline (112 KB, 2/SM), deep suffix pipeline (69 KB, 3/SM).
+        ({"PASS": 1}, 4, 6),
+        ({"PASS": 2}, 4, 5),
     ]
     for overrides, num_warps, num_stages in attention:
         compiled = compile_attention(True, num_warps, num_stages, **overrides)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from test_forest_decode import SMALL, _assert_close, _plan, _poisoned, _reference
 
 from arctic_dedup.errors import PlanError
-from arctic_dedup.forest import ForestKernelConfig, plan_paged
+from arctic_dedup.forest import ForestKernelConfig, forest_decode, plan_forest, plan_paged
 from arctic_dedup.forest._launch import (
     DecodeKnobs,
     allocate_partials,
@@ -19,6 +20,7 @@ from arctic_dedup.forest._launch import (
     launch_combine,
     launch_forest_decode,
 )
+from arctic_dedup.forest.plan import default_forest_config
 from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
 
 KNOBS = {
@@ -155,3 +157,93 @@ def test_knobs_are_validated(field: str, value: int, message: str) -> None:
     arguments: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=message):
         DecodeKnobs(**arguments)
+
+
+# Version 3 round 2 (``benchmarks/fca_decode.py --diagnose``): the default rule's two configs and the new split
+# variants, with split lengths small enough that tiny forests still get several items per owner.
+def _small(config: ForestKernelConfig) -> ForestKernelConfig:
+    return replace(config, split_granularity=16, multiprocessors=4)
+
+
+V3 = {
+    "default_one_wave": (_small(default_forest_config(16, 8, 132)), DecodeKnobs()),
+    "default_split_p64": (_small(default_forest_config(128, 8, 132)), DecodeKnobs()),
+    "split_p64_s64": (
+        _small(ForestKernelConfig(prefix_block_n=64, suffix_block_n=64, split_passes=True)),
+        DecodeKnobs(),
+    ),
+    "split_p32_deep": (
+        _small(ForestKernelConfig(num_stages=5, split_passes=True)),
+        DecodeKnobs(split_passes=True, prefix_num_warps=4, prefix_num_stages=6, side_stream=True),
+    ),
+    "split_p64_s64_c8_w1": (
+        _small(
+            ForestKernelConfig(prefix_block_n=64, suffix_block_n=64, split_passes=True, prefix_waves=1.0, waves=1.0)
+        ),
+        DecodeKnobs(combine_chunk_cap=8),
+    ),
+    "w1_combine32": (
+        _small(ForestKernelConfig(prefix_waves=1.0, waves=1.0)),
+        DecodeKnobs(combine_dim_block=32, combine_chunk_cap=64),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(V3))
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN[::2])
+def test_v3_variants_match_reference_on_random_forests(
+    name: str, block_size: int, queries_per_kv: int, head_dim: int
+) -> None:
+    config, knobs = V3[name]
+    seed = 7 * block_size + queries_per_kv + head_dim + 3 * len(name)
+    _run(_random_forest(seed, block_size, queries_per_kv, head_dim), queries_per_kv, knobs, config)
+
+
+@pytest.mark.parametrize("name", ["split_p64_s64", "split_p32_deep"])
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN[1::2])
+def test_v3_split_variants_on_the_other_latin_cells(
+    name: str, block_size: int, queries_per_kv: int, head_dim: int
+) -> None:
+    config, knobs = V3[name]
+    seed = 11 * block_size + queries_per_kv + head_dim
+    _run(_random_forest(seed, block_size, queries_per_kv, head_dim), queries_per_kv, knobs, config)
+
+
+def test_v3_query_lengths_up_to_the_maximum() -> None:
+    # Every query length 1..4 in one batch, groups of one, empty suffixes, prompts ending mid-block.
+    batch = make_decode_batch(
+        [53, 40, 77],
+        [[0, 9, 3, 0], [5], [0, 12]],
+        query_lens=[[1, 2, 3, 4], [4], [2, 1]],
+        queries_per_kv=4,
+        seed=31,
+    )
+    for config, knobs in V3.values():
+        _run(batch, 4, knobs, config)
+
+
+def test_default_config_is_a_rule_by_batch_size() -> None:
+    one_wave = default_forest_config(16, 8, 132)
+    assert (one_wave.prefix_waves, one_wave.waves, one_wave.split_passes) == (1.0, 1.0, False)
+    assert one_wave.prefix_block_n == ForestKernelConfig().prefix_block_n
+    many = default_forest_config(128, 8, 132)
+    assert (many.prefix_block_n, many.split_passes, many.prefix_waves) == (64, True, 2.0)
+    assert default_forest_config(17, 8, 132) == many
+    # plan_forest without a config applies the rule (8 multiprocessors on CPU).
+    small = make_decode_batch([40], [[3, 4]], seed=32)
+    large = make_decode_batch([40, 50], [[3, 4, 5], [1, 2]], seed=33)
+    for batch, expected in ((small, default_forest_config(2, 2, 8)), (large, default_forest_config(5, 2, 8))):
+        plan = plan_forest(
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start_loc,
+            block_size=16,
+            num_cache_blocks=batch.key_cache.shape[0],
+            max_query_len=1,
+            queries_per_kv=2,
+            num_kv_heads=2,
+        )
+        assert plan.config == expected
+        out, lse = forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.2)
+        _assert_close(out, lse, _reference(batch, 0.2), 1e-5)
+    assert plan.config.split_passes

@@ -301,8 +301,9 @@ def launch_attention(
     prefix_stages = knobs.prefix_num_stages if knobs.prefix_num_stages is not None else config.num_stages
     if wide:
         prefix_warps, prefix_stages = max(prefix_warps, 8), min(prefix_stages, 2)
+    split = knobs.split_passes or config.split_passes
     if passes is None:
-        passes = (1, 2) if knobs.split_passes and plan.shares else (0,)
+        passes = (1, 2) if split and plan.shares else (0,)
     if 1 in passes and not plan.shares:
         raise PlanError("a prefix pass needs a plan with groups (plan_forest), got a plan without (plan_paged).")
     table = plan.block_table
@@ -378,7 +379,7 @@ def launch_attention(
             num_stages=stages,
         )
 
-    if knobs.side_stream and passes == (1, 2) and query.is_cuda:
+    if (knobs.side_stream or config.split_passes) and passes == (1, 2) and query.is_cuda:
         main = torch.cuda.current_stream(query.device)
         side = _side_stream(query.device.index if query.device.index is not None else torch.cuda.current_device())
         side.wait_stream(main)

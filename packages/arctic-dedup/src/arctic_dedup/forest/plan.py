@@ -24,7 +24,15 @@ import torch
 from arctic_dedup._triton_support import Backend, resolve_backend
 from arctic_dedup.errors import PlanError
 
-__all__ = ["ForestGrouping", "ForestKernelConfig", "ForestPlan", "ForestWorkspace", "plan_forest", "plan_paged"]
+__all__ = [
+    "ForestGrouping",
+    "ForestKernelConfig",
+    "ForestPlan",
+    "ForestWorkspace",
+    "default_forest_config",
+    "plan_forest",
+    "plan_paged",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,9 @@ class ForestKernelConfig:
         waves: suffix items are sized so that about ``waves * multiprocessors`` programs read suffixes.
         split_granularity: split lengths are rounded up to a multiple of this many tokens.
         multiprocessors: the device's multiprocessor count; ``None`` reads it from the device (8 on CPU).
+        split_passes: prefix items run as their own launch (``num_warps`` / ``num_stages`` for both), on a side
+            stream beside the suffix launch on CUDA (two branches of a captured graph, joined before the combine);
+            ignored by plans without groups.
     """
 
     prefix_block_m: int = 64
@@ -79,6 +90,7 @@ class ForestKernelConfig:
     waves: float = 2.0
     split_granularity: int = 128
     multiprocessors: int | None = None
+    split_passes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefix_block_m", "prefix_block_n", "suffix_block_n"):
@@ -89,6 +101,21 @@ class ForestKernelConfig:
             raise ValueError(f"split_granularity must be >= 1, got {self.split_granularity}")
         if self.waves <= 0 or self.prefix_waves <= 0:
             raise ValueError(f"waves and prefix_waves must be > 0, got {self.waves} and {self.prefix_waves}")
+
+
+def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors: int) -> ForestKernelConfig:
+    """``plan_forest``'s config when none is given: a rule by batch size, from the H200 diagnosis of 2026-11-30.
+
+    A batch with at most one (request, kv head) pair per multiprocessor gets one wave of long items (version 2 with
+    ``prefix_waves = waves = 1``: 16 x (8192 + 512) kernels 40.6 us against 46.1; fewer partials to merge); larger
+    batches get 64-token prefix tiles in a prefix launch of their own on a side stream (8 groups x 16: 160.8 us
+    against 167.6; in one launch the 112 KB tiles cost the suffix items a third of their slots: 169.1 us). Each is
+    the best of 14 variants on its case and not worse than version 2 on the other (45.7 against 46.1 for the single
+    group; ``forest/NOTES.md``, "Version 3, measured").
+    """
+    if num_requests * num_kv_heads <= multiprocessors:
+        return ForestKernelConfig(prefix_waves=1.0, waves=1.0)
+    return ForestKernelConfig(prefix_block_n=64, split_passes=True)
 
 
 class ForestWorkspace:
@@ -491,7 +518,7 @@ def plan_forest(
         queries_per_kv: query heads per KV head (GQA ratio).
         num_kv_heads: KV heads per layer (sizes the work so one pass fills the device).
         grouping: which groups to use (defaults to ``ForestGrouping()``).
-        config: kernel tile and split sizes (defaults to ``ForestKernelConfig()``).
+        config: kernel tile and split sizes (defaults to ``default_forest_config``: a rule by batch size).
         workspace: a ``ForestWorkspace`` for this cache, reused every step (made, zeroed, per call when ``None``).
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (CPU builds), or ``"auto"``.
 
@@ -508,7 +535,11 @@ def plan_forest(
         queries_per_kv=queries_per_kv,
         num_kv_heads=num_kv_heads,
         grouping=grouping if grouping is not None else ForestGrouping(),
-        config=config if config is not None else ForestKernelConfig(),
+        config=config
+        if config is not None
+        else default_forest_config(
+            block_table.shape[0], num_kv_heads, _multiprocessors(block_table.device, ForestKernelConfig())
+        ),
         workspace=workspace,
         backend=backend,
     )
