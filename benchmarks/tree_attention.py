@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import cuda_time_ms, default_out_dir, print_table, run_metadata, write_results
 
 from arctic_dedup import Plan, build_plan_from_layout
-from arctic_dedup.attention import tree_attention, tree_attention_reference
+from arctic_dedup.attention import _launch, tree_attention, tree_attention_reference
 from arctic_dedup.attention._launch import (
     TritonConfig,
     default_triton_config,
@@ -393,22 +393,24 @@ def section_sweep(run: Run, plan: Plan, base: TritonConfig) -> Configs:
 
 # (name, deterministic, launcher overrides of the default config). "det": the dK/dV kernel plus the dQ kernel (7
 # tile products); "atomic": dQ added by the dK/dV kernel with fp32 atomics (5 products). The options are described
-# on ``TritonConfig``; registers measured offline are in benchmarks/results/tree_attention_notes.md.
-_FOLD: dict[str, int | bool] = {"fold_statistics": True, "dp_first": True}
-_ATOMIC: dict[str, int | bool] = {"atomic_dq": True, "split_atomic_dq": True, "bwd_block_m": 64, **_FOLD}
+# on ``TritonConfig``; registers measured offline are in benchmarks/results/tree_attention_notes.md. Round 1 (commit
+# ef9cdf1, tree_attention_bwd_sweep.json) made atomic_m64 and det_m64 the defaults; round 2 below starts from them.
 BACKWARD_VARIANTS: list[tuple[str, bool, dict[str, int | bool]]] = [
-    # Most informative first: a tight time budget skips only the tail.
-    ("det_baseline", True, {}),
-    ("atomic_m64", False, _ATOMIC),
-    ("det_m64", True, {**_FOLD, "bwd_block_m": 64}),
-    ("atomic_m64_s3", False, {**_ATOMIC, "bwd_num_stages": 3}),
-    ("det_fold", True, _FOLD),
-    ("atomic_m64_plow", False, {**_ATOMIC, "p_low_precision": True}),
-    ("det_m64_s3_flex_tiles", True, {**_FOLD, "bwd_block_m": 64, "bwd_num_stages": 3, "dq_num_stages": 3}),
-    ("det_fold_s3", True, {**_FOLD, "bwd_num_stages": 3}),
-    ("det_m64_plow", True, {**_FOLD, "bwd_block_m": 64, "p_low_precision": True}),
-    ("atomic_m64_unsplit", False, {**_ATOMIC, "split_atomic_dq": False}),
+    # Most promising first: a tight time budget skips only the tail. The two defaults are the baselines.
+    ("atomic_m64", False, {}),
+    ("atomic_red", False, {"inline_red_dq": True}),
+    ("atomic_red_unsplit", False, {"inline_red_dq": True, "split_atomic_dq": False}),
+    ("atomic_dqT", False, {"transposed_atomic_dq": True}),
+    ("probe_store", False, {}),
+    ("det_m64", True, {}),
+    ("atomic_red_s3", False, {"inline_red_dq": True, "bwd_num_stages": 3}),
+    ("atomic_red_tma", False, {"inline_red_dq": True, "tma_loads": True}),
+    ("atomic_tma", False, {"tma_loads": True}),
+    ("det_m64_tma", True, {"tma_loads": True}),
 ]
+# Timing probes, not candidates: the atomic adds of dQ become plain stores (dQ is wrong, dK and dV are right), so
+# their time minus the matching variant's is what the fp32 atomics cost. Never "best", never checked on dQ.
+PROBES = {"probe_store"}
 # Relative error of each gradient against FlexAttention's (both bf16): the bound test_gpu_long_prompt_32k uses.
 SWEEP_TOLERANCE = 1e-2
 
@@ -470,12 +472,21 @@ def section_backward_sweep(
         warmup=3,
         repeats=10,
     )
+    # The forward kernel alone (no autograd recording, no lse transpose): separates the launcher's cost from the
+    # kernel's when triton_fwd_ms moves between runs.
+    triton_forward_kernel_ms = cuda_time_ms(
+        lambda: launch_forward(q, k, v, plan, scale=scale, sliding_window=None, softcap=None, config=base),
+        warmup=3,
+        repeats=10,
+    )
     run.summary.update(
         {
             "reference_backend": reference_backend,
             "reference_bwd_ms": reference_ms,
             "reference_fwd_ms": reference_forward_ms,
             "triton_fwd_ms": triton_forward_ms,
+            "triton_fwd_kernel_ms": triton_forward_kernel_ms,
+            "triton_fwd_tiles": [base.block_m, base.block_n, base.num_warps, base.num_stages],
             "tolerance": SWEEP_TOLERANCE,
         }
     )
@@ -491,6 +502,14 @@ def section_backward_sweep(
         )  # fmt: skip
 
     def measure(name: str, config: TritonConfig, deterministic: bool) -> None:
+        probe = name in PROBES
+        _launch.dq_store_probe = probe
+        try:
+            _measure(name, config, deterministic, probe)
+        finally:
+            _launch.dq_store_probe = False
+
+    def _measure(name: str, config: TritonConfig, deterministic: bool, probe: bool) -> None:
         before = _compiled_backward_kernels()
         grads = backward(config, deterministic)
         torch.cuda.synchronize()
@@ -502,9 +521,12 @@ def section_backward_sweep(
             f"{label}_rel_error": _relative_error(got, want)
             for label, got, want in zip(("dq", "dk", "dv"), grads, reference_grads)
         }
+        if probe:
+            del errors["dq_rel_error"]  # dQ is deliberately wrong in a probe
         finite = all(bool(torch.isfinite(t).all()) for t in grads)
         del grads
         milliseconds = cuda_time_ms(lambda: backward(config, deterministic), warmup=3, repeats=10)
+        kernels = _kernel_breakdown_ms(lambda: backward(config, deterministic))
         dkdv = registers.get(_register_key("dkdv", config, deterministic), (None, None))
         dq = registers.get(_register_key("dq", config, deterministic), (None, None)) if deterministic else (None, None)
         run.rows.append(
@@ -512,6 +534,7 @@ def section_backward_sweep(
                 "section": "bwd_sweep",
                 "variant": name,
                 "deterministic": deterministic,
+                "probe": probe,
                 "config": asdict(config),
                 "passed": finite and all(error < SWEEP_TOLERANCE for error in errors.values()),
                 **errors,
@@ -520,6 +543,7 @@ def section_backward_sweep(
                 "dq_regs": dq[0],
                 "dq_spills": dq[1],
                 "bwd_ms": milliseconds,
+                "kernel_ms": kernels,
                 "useful_tflops": useful_bwd / milliseconds / 1e9,
                 "vs_reference": reference_ms / milliseconds,
                 "fwd_bwd_estimate_vs_reference": (reference_forward_ms + reference_ms)
@@ -532,7 +556,7 @@ def section_backward_sweep(
     for name, config, deterministic in backward_variants(base):
         run.attempt(f"bwd sweep {name}", functools.partial(measure, name, config, deterministic), need_s=12)
     rows = [row for row in run.rows if row.get("section") == "bwd_sweep"]
-    passed = [row for row in rows if row["passed"]]
+    passed = [row for row in rows if row["passed"] and not row["probe"]]
     for label, candidates in (
         ("best", passed),
         ("best_deterministic", [row for row in passed if row["deterministic"]]),
@@ -543,10 +567,33 @@ def section_backward_sweep(
             run.summary[f"{label}_bwd_ms"] = best["bwd_ms"]
             run.summary[f"{label}_vs_reference_bwd"] = best["vs_reference"]
             run.summary[f"{label}_fwd_bwd_estimate_vs_reference"] = best["fwd_bwd_estimate_vs_reference"]
-    run.summary["all_passed"] = bool(rows) and len(passed) == len(rows)
+    run.summary["all_passed"] = bool(rows) and all(row["passed"] for row in rows)
     run.save()
     print_table(rows, SWEEP_COLUMNS)
     print({key: value for key, value in run.summary.items() if key.startswith(("best", "reference", "triton"))})
+
+
+def _kernel_breakdown_ms(fn: Callable[[], Any], repeats: int = 3) -> dict[str, float] | None:
+    """Mean GPU milliseconds per call of each kernel ``fn`` launches (torch.profiler), keyed by kernel name
+    (Triton kernels by their function name, everything else summed as ``other``); None if the profiler fails."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            for _ in range(repeats):
+                fn()
+            torch.cuda.synchronize()
+        totals: dict[str, float] = {}
+        for event in profiler.key_averages():
+            if event.device_type != DeviceType.CUDA:
+                continue
+            name = event.key if event.key.startswith("tree_attention_") else "other"
+            totals[name] = totals.get(name, 0.0) + event.device_time_total / 1e3 / repeats
+        return totals
+    except Exception as error:  # the breakdown is an extra: never lose a variant's row to it
+        print(f"[warn] kernel breakdown: {type(error).__name__}: {error}", flush=True)
+        return None
 
 
 SWEEP_COLUMNS = [
@@ -566,6 +613,7 @@ def compile_report() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from arctic_dedup.attention import _kernels
 
@@ -585,8 +633,11 @@ def compile_report() -> None:
         signature, constants, attributes = {}, {}, {}
         for index, name in enumerate(kernel.arg_names):
             value = values[name]
-            if kernel.params[index].is_constexpr:
+            if kernel.params[index].is_constexpr or value is None:
                 signature[name], constants[name] = "constexpr", value
+            elif isinstance(value, TensorDescriptor):
+                element = pointer_types[value.base.dtype].removeprefix("*")
+                signature[name] = f"tensordesc<{element}[{', '.join(str(n) for n in value.block_shape)}]>"
             elif isinstance(value, torch.Tensor):
                 signature[name], attributes[(index,)] = pointer_types[value.dtype], [["tt.divisibility", 16]]
             elif isinstance(value, float):

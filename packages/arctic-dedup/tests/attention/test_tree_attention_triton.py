@@ -135,17 +135,29 @@ def test_triton_random_trees(seed: int, window: int | None) -> None:
     _compare(plan, 2, 1, 16, seed=seed, sliding_window=window)
 
 
-# The backward launch options the benchmark's --bwd-sweep compares; each must stay exact in fp32.
+# The backward launch options the benchmark's --bwd-sweep compares; each must stay exact in fp32. Every entry
+# starts from all options off (``_SMALL_TILES``), so it means what it lists whatever the defaults are.
+_ATOMIC = {"atomic_dq": True, "split_atomic_dq": True, "fold_statistics": True, "dp_first": True}
 BACKWARD_VARIANTS = {
+    "plain": {},
     "fold": {"fold_statistics": True},
     "fold_dp_first": {"fold_statistics": True, "dp_first": True},
     "p_low_dp_first": {"p_low_precision": True, "dp_first": True},
     "atomic_fold": {"atomic_dq": True, "fold_statistics": True},
     "atomic_split": {"atomic_dq": True, "split_atomic_dq": True, "fold_statistics": True, "dp_first": True},
     "atomic_split_p_low": {"atomic_dq": True, "split_atomic_dq": True, "dp_first": True, "p_low_precision": True},
+    # Round 2: one transposed dQ product; tensor-descriptor (TMA) loads of Q and dO; inline PTX red (on a GPU; the
+    # interpreter runs tl.atomic_add there, so this entry checks the launch path around it).
+    "atomic_transposed": {**_ATOMIC, "transposed_atomic_dq": True},
+    "atomic_tma": {**_ATOMIC, "tma_loads": True},
+    "atomic_transposed_tma": {**_ATOMIC, "transposed_atomic_dq": True, "tma_loads": True},
+    "fold_dp_first_tma": {"fold_statistics": True, "dp_first": True, "tma_loads": True},
+    "atomic_inline_red": {**_ATOMIC, "inline_red_dq": True},
+    "atomic_inline_red_unsplit": {**_ATOMIC, "split_atomic_dq": False, "inline_red_dq": True},
 }
+_OPTIONS_OFF = {"atomic_dq": False, "fold_statistics": False, "dp_first": False, "split_atomic_dq": False}
 _SMALL_TILES = TritonConfig(
-    block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=32, dq_block_m=32, dq_block_n=16, num_warps=1
+    block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=32, dq_block_m=32, dq_block_n=16, num_warps=1, **_OPTIONS_OFF
 )
 
 
@@ -161,7 +173,10 @@ def test_triton_backward_variants(variant: str, num_kv_heads: int, head_dim: int
     _compare(_ragged_plan(), 4, num_kv_heads, head_dim, config=config, deterministic=not config.atomic_dq)
 
 
-@pytest.mark.parametrize("variant", ["fold_dp_first", "atomic_split", "atomic_split_p_low"])
+@pytest.mark.parametrize(
+    "variant", ["fold_dp_first", "atomic_split", "atomic_split_p_low", "atomic_transposed", "atomic_tma",
+                "fold_dp_first_tma", "atomic_inline_red"]
+)  # fmt: skip
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 def test_triton_backward_variants_window_softcap_lse(variant: str, options: dict) -> None:
     config = replace(_SMALL_TILES, **BACKWARD_VARIANTS[variant])
@@ -169,7 +184,10 @@ def test_triton_backward_variants_window_softcap_lse(variant: str, options: dict
              **options)  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", ["fold_dp_first", "atomic_split"])
+@pytest.mark.parametrize(
+    "variant", ["fold_dp_first", "atomic_split", "atomic_transposed", "atomic_tma", "fold_dp_first_tma",
+                "atomic_inline_red"]
+)  # fmt: skip
 def test_triton_backward_variants_gpu_tiles(variant: str) -> None:
     """The tile shapes the H200 runs (64 query rows, 128 keys) on a plan longer than one key block."""
     config = replace(_SMALL_TILES, bwd_block_m=64, bwd_block_n=128, dq_block_m=64, dq_block_n=64,
@@ -188,3 +206,30 @@ def test_triton_deterministic_ignores_atomic_variant() -> None:
         out, _ = triton_tree_attention(q, k, v, plan, scale=0.2, deterministic=True, config=config)
         runs.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_triton_dq_store_probe_keeps_dk_dv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's timing probe (plain stores instead of dQ atomics) leaves dK and dV exact; only dQ is off."""
+    monkeypatch.setattr(_launch, "dq_store_probe", True)
+    config = replace(_SMALL_TILES, **BACKWARD_VARIANTS["atomic_split"])
+    plan = _ragged_plan()
+    q, k, v = make_inputs(plan, 4, 2, 32, requires_grad=True)
+    out, _ = triton_tree_attention(q, k, v, plan, scale=0.2, config=config)
+    ref = tree_attention(q, k, v, plan, backend="reference", scale=0.2)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device)
+    got = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for got_grad, want_grad in zip(got[1:], want[1:]):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_default_config_is_the_measured_winner() -> None:
+    """CUDA bf16 d<=128 defaults: forward 128x128 / 2 stages, backward 64x128 with folded statistics; atomic dQ
+    (split) unless deterministic. fp32 and d=256 keep every backward option off."""
+    config = _launch.default_triton_config(128, torch.device("cuda"))
+    assert (config.block_m, config.block_n, config.num_stages) == (128, 128, 2)
+    assert (config.bwd_block_m, config.bwd_block_n, config.bwd_num_stages) == (64, 128, 2)
+    assert config.atomic_dq and config.split_atomic_dq and config.fold_statistics and config.dp_first
+    for other in (_launch.default_triton_config(128, torch.device("cuda"), torch.float32),
+                  _launch.default_triton_config(256, torch.device("cuda"))):  # fmt: skip
+        assert not (other.atomic_dq or other.fold_statistics or other.dp_first or other.split_atomic_dq)

@@ -40,7 +40,9 @@ def choose_backend(
 
     Why: on CUDA both fused backends skip invisible tiles and never copy shared K/V. Measured on the H200
     (``benchmarks/results/tree_attention.json``, Qwen3-4B heads, bf16): the Triton forward is 1.07-1.14x
-    FlexAttention's at P=8192 (0.99x at P=32K), but its backward is 0.75-0.81x, so forward+backward is 0.81-0.90x:
+    FlexAttention's at P=8192 (0.99x at P=32K), but its backward is 0.75-0.81x, so forward+backward is 0.81-0.90x.
+    The backward sweep (``tree_attention_bwd_sweep.json``) brought the default backward to 0.92x FlexAttention's
+    (atomic dQ, 64x128 tiles; 0.86x deterministic), about 0.98x forward+backward at P=8192: still below parity, so
     training goes to FlexAttention, forward-only calls (log-probs, reference models) to Triton. Both handle sliding
     windows and softcaps, so neither option changes the choice. fp32 goes to FlexAttention because exact fp32
     products leave the Triton kernels on small tiles. On CPU the Triton interpreter is far too slow to be chosen
