@@ -681,10 +681,12 @@ def compile_report() -> None:
         originals = {kernel: getattr(_kernels, kernel) for kernel in names}
         for kernel, original in originals.items():
             setattr(_kernels, kernel, Recorder(original, launches))
+        _launch.dq_store_probe = name in PROBES
         try:
             launch_backward(q, q, k, k, q, lse, None, plan, scale=HEAD_DIM**-0.5, sliding_window=None, softcap=None,
                             config=config, deterministic=deterministic)  # fmt: skip
         finally:
+            _launch.dq_store_probe = False
             for kernel, original in originals.items():
                 setattr(_kernels, kernel, original)
         row: dict[str, Any] = {"variant": name}
