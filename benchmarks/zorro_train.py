@@ -247,7 +247,8 @@ def hf_sdpa_step(model: Any, batch: dict[str, torch.Tensor]) -> Callable[[], Non
     def step() -> None:
         backbone = model.model
         for row, ids, positions, prompt, length in samples:
-            hidden = backbone(input_ids=ids[None], position_ids=positions[None], use_cache=False)[0][0]
+            # squeeze, like zorro_forward: a view both ways (indexing [0] would zero-fill and copy in the backward)
+            hidden = backbone(input_ids=ids[None], position_ids=positions[None], use_cache=False)[0].squeeze(0)
             out = token_logprobs(
                 hidden[prompt - 1 : length - 1], ids[prompt:length], model.lm_head, mode="memory", chunk_size=2048
             )

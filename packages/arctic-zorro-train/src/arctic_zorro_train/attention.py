@@ -166,7 +166,9 @@ def zorro_attention(
             f"attention dropout {kwargs['dropout']} is not supported by zorro attention; set "
             "config.attention_dropout = 0 (the Qwen, Llama and Mistral defaults)."
         )
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    # squeeze, not x[0]: select's backward would allocate a zeroed [1, H, T, D] gradient and copy into it (a fill and
+    # a strided copy per tensor and layer); squeeze's backward is a view, so dq/dk/dv keep the kernel's layout.
+    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))
     options: dict[str, Any] = {
         "scale": kwargs.get("scaling"),
         "sliding_window": kwargs.get("sliding_window"),

@@ -32,6 +32,9 @@ __all__ = [
 class GatedDeltaInputs:
     """A Gated DeltaNet layer's token-wise projections over the packed stream (``T`` tokens, batch dim dropped).
 
+    The batch dim is dropped with ``squeeze(0)``, whose backward is a view (``x[0]``'s would zero-fill ``[1, T, ...]``
+    and copy the gradient into it).
+
     mixed_qkv ``[T, 2*key_dim + value_dim]`` (the conv input), z ``[T, Hv, Dv]`` (output gate), b and a ``[T, Hv]``.
     """
 
@@ -48,7 +51,7 @@ def _qwen3_next_projections(module: Any, hidden_states: torch.Tensor) -> GatedDe
     )
     num_tokens = hidden_states.shape[1]
     mixed_qkv = torch.cat([x.reshape(num_tokens, -1) for x in (query, key, value)], dim=-1)
-    return GatedDeltaInputs(mixed_qkv=mixed_qkv, z=z[0], b=b[0], a=a[0])
+    return GatedDeltaInputs(mixed_qkv=mixed_qkv, z=z.squeeze(0), b=b.squeeze(0), a=a.squeeze(0))
 
 
 def _qwen3_5_projections(module: Any, hidden_states: torch.Tensor) -> GatedDeltaInputs:
@@ -56,10 +59,10 @@ def _qwen3_5_projections(module: Any, hidden_states: torch.Tensor) -> GatedDelta
     num_tokens = hidden_states.shape[1]
     z = module.in_proj_z(hidden_states).reshape(num_tokens, -1, module.head_v_dim)
     return GatedDeltaInputs(
-        mixed_qkv=module.in_proj_qkv(hidden_states)[0],
+        mixed_qkv=module.in_proj_qkv(hidden_states).squeeze(0),
         z=z,
-        b=module.in_proj_b(hidden_states)[0],
-        a=module.in_proj_a(hidden_states)[0],
+        b=module.in_proj_b(hidden_states).squeeze(0),
+        a=module.in_proj_a(hidden_states).squeeze(0),
     )
 
 

@@ -77,7 +77,7 @@ def zorro_forward(
             use_cache=False,
             **{CONTEXT_KWARG: context},
         )
-    hidden = outputs[0][0]
+    hidden = outputs[0].squeeze(0)  # a view both ways (outputs[0][0]'s backward zero-fills [1, T, d] and copies)
     responses = plan.responses
     tokens = token_logprobs(
         hidden.index_select(0, responses.predictor_index),

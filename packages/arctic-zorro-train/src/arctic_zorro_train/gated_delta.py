@@ -259,7 +259,7 @@ def tree_gated_delta_rule(
                 use_qk_l2norm_in_kernel=True,
                 cu_seqlens=level.cu_seqlens,
             )
-            outputs.append(out[0])
+            outputs.append(out.squeeze(0))
             continue
         index = level.padded_index
         shape = (level.num_nodes, level.max_length)

@@ -136,9 +136,18 @@ def _recompile_limit(limit: int) -> Iterator[None]:
 
 def _pad_table(counts: torch.Tensor, indices: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = indices.shape
+    if rows == cols == num_blocks:  # F.pad by nothing would still copy, once per layer
+        return counts.contiguous(), indices.contiguous()
     counts = F.pad(counts, (0, num_blocks - rows))
     indices = F.pad(indices, (0, num_blocks - cols, 0, num_blocks - rows))
     return counts.contiguous(), indices.contiguous()
+
+
+def _pad_tokens(values: torch.Tensor, padded_length: int) -> torch.Tensor:
+    """``[T]`` -> int32 ``[Tp]``, zero-padded (no copy when it is int32 already and needs no padding)."""
+    values = values.to(torch.int32)
+    extra = padded_length - values.shape[0]
+    return F.pad(values, (0, extra)) if extra else values
 
 
 def _plan_blocks(plan: Plan, sliding_window: int | None) -> KernelTables:
@@ -149,11 +158,25 @@ def _plan_blocks(plan: Plan, sliding_window: int | None) -> KernelTables:
 
 
 def _to_flex_layout(tensor: torch.Tensor, padded_length: int) -> torch.Tensor:
-    """``[T, H, D]`` -> ``[1, H, Tp, D]`` (a view when no padding is needed)."""
+    """``[T, H, D]`` -> ``[1, H, Tp, D]`` (a view when no padding is needed).
+
+    unsqueeze, then transpose: the size-1 batch dim then gets the outermost stride, so FlexAttention's output (laid
+    out like the query) has exactly the strides of the gradient ``_from_flex_layout``'s backward hands it, and the
+    compiled backward takes that gradient as it is instead of copying it to the strides it traced.
+    """
     extra = padded_length - tensor.shape[0]
     if extra:
         tensor = F.pad(tensor, (0, 0, 0, 0, 0, extra))
-    return tensor.transpose(0, 1).unsqueeze(0)
+    return tensor.unsqueeze(0).transpose(1, 2)
+
+
+def _from_flex_layout(tensor: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[1, H, Tp, ...]`` -> ``[T, H, ...]``: views only, contiguous for a query-like output. Neither ``tensor[0]``
+    nor a slice that keeps everything: their backwards zero-fill a gradient of the input's size and copy into it."""
+    tensor = tensor.transpose(1, 2).squeeze(0)
+    if tensor.shape[0] != num_tokens:
+        tensor = tensor[:num_tokens]
+    return tensor.contiguous()
 
 
 def flex_tree_attention(
@@ -187,8 +210,8 @@ def flex_tree_attention(
     kv_num, kv_idx = _pad_table(tables.kv_part_num, tables.kv_part_indices, num_blocks)
     full_num, full_idx = _pad_table(tables.kv_full_num, tables.kv_full_indices, num_blocks)
     # Padded keys get 0: no query index is below it, so nobody sees them.
-    until = F.pad(plan.kv_visible_until.to(torch.int32), (0, padded_length - num_tokens))
-    positions = F.pad(plan.position_ids.to(torch.int32), (0, padded_length - num_tokens))
+    until = _pad_tokens(plan.kv_visible_until, padded_length)
+    positions = _pad_tokens(plan.position_ids, padded_length)
     core = _core(compile)
     with _recompile_limit(_RECOMPILE_LIMIT), warnings.catch_warnings():
         # Eager use is deliberate here (CPU); torch's advice to compile does not apply.
@@ -210,8 +233,7 @@ def flex_tree_attention(
             _has_return_aux(),
         )
     if not return_lse:
-        out = result
-        return result[0, :, :num_tokens].transpose(0, 1).contiguous(), None
+        return _from_flex_layout(result, num_tokens), None
     out, aux = result
     lse = aux if isinstance(aux, torch.Tensor) else aux.lse
-    return out[0, :, :num_tokens].transpose(0, 1).contiguous(), lse[0, :, :num_tokens].transpose(0, 1).float()
+    return _from_flex_layout(out, num_tokens), lse[0, :, :num_tokens].transpose(0, 1).float()
