@@ -158,7 +158,7 @@ def tree_causal_conv(
         raise ValueError(f"the conv has width {width} but the schedule was built for {schedule.conv_width}.")
     x = x.to(weight.dtype)
     whole = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=channels)
-    whole = whole[0, :, :num_tokens].t()
+    whole = whole.squeeze(0)[:, :num_tokens].t()  # squeeze: [0]'s backward would zero-fill [1, C, T+K-1] and copy
     lags = schedule.fix_lags
     window = x.index_select(0, lags.clamp_min(0).reshape(-1)).view(lags.shape[0], width, channels)
     window = window * (lags >= 0).unsqueeze(-1).to(window.dtype)
@@ -302,7 +302,7 @@ def gated_delta_tree_forward(
     num_tokens = hidden_states.shape[1]
     inputs = projections(module, hidden_states)
     conv = module.conv1d
-    mixed = tree_causal_conv(inputs.mixed_qkv, conv.weight[:, 0, :], conv.bias, schedule)
+    mixed = tree_causal_conv(inputs.mixed_qkv, conv.weight.squeeze(1), conv.bias, schedule)
     mixed = ACT2FN[module.activation](mixed).to(hidden_states.dtype)
     query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(num_tokens, -1, module.head_k_dim)
