@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device call on the lent H200 (../shared/docs/gpu.md), stage by stage, each under its own time limit, results
+# under $OUT/r and packed into $OUT/results.tar.gz (the device tool brings back at most a few files).
+# The device has no .git: run from a `git archive HEAD` copy and pass the commit.
+#
+#   here:   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap && ln -s ../.whl .snap/.whl
+#   there:  cd .snap && ARCTIC_COMMIT=<sha> bash scripts/gpu_round.sh tests zorro-dense   (carry .snap and .whl)
+#
+# Stages (about how long on the H200):
+#   tests          nox -s gpu_tests                                     (~5 min)
+#   zorro-dense    ZoRRO dense P=8192 G=16 R=512: Flex dedup vs HF SDPA  (~1.5 min)
+#   zorro-ragged   the ragged variant                                    (~1.5 min)
+#   zorro-hybrid   Qwen3.5-like hybrid (needs the fla wheels)            (~3 min)
+#   zorro-sweep    dedup-ratio sweep, --quick                            (~4 min)
+#   zorro-profile  kernels by category for one dedup step                (~1.5 min)
+#   tree-sweep     tree-attention backward variants                      (~2 min)
+#   fca-diagnose   forest decode diagnosis                               (~3 min)
+#   pack-unpack    pack/unpack bandwidth sweep                           (~1 min)
+set -uo pipefail
+out="${OUT:-benchmarks/results}/r"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
+fi
+export PYTHONPATH="$PWD/packages/arctic-dedup/src:$PWD/packages/arctic-zorro-train/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+run() {  # run NAME SECONDS COMMAND...
+  local name=$1 seconds=$2
+  shift 2
+  local began=$SECONDS
+  timeout "$seconds" "$@" > "$out/$name.log" 2>&1
+  local status=$?
+  echo "== $name: exit $status in $((SECONDS - began)) s =="
+  grep -v -i "warn" "$out/$name.log" | tail -"${ARCTIC_TAIL:-12}"
+}
+zorro=(python3 benchmarks/zorro_train.py --quick --out "$out")
+for stage in "$@"; do
+  case "$stage" in
+    tests) OUT="$out" run gpu_tests 330 python3 -m nox -s gpu_tests ;;
+    zorro-dense) run zorro_dense 200 "${zorro[@]}" --sections dense --dedup-backends flex --baselines hf_sdpa ;;
+    zorro-ragged) run zorro_ragged 200 "${zorro[@]}" --sections ragged --dedup-backends flex --baselines hf_sdpa ;;
+    zorro-hybrid) run zorro_hybrid 300 "${zorro[@]}" --sections hybrid ;;
+    zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep ;;
+    zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
+    tree-sweep) run tree_sweep 240 python3 benchmarks/tree_attention.py --bwd-sweep --out "$out" ;;
+    fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" ;;
+    pack-unpack) run pack_unpack 150 python3 benchmarks/pack_unpack.py --out "$out" ;;
+    *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
+  esac
+done
+tar -czf "$out/../results.tar.gz" -C "$out" .
