@@ -13,9 +13,12 @@
 #   zorro-hybrid   Qwen3.5-like hybrid (needs the fla wheels)            (~3 min)
 #   zorro-sweep    dedup-ratio sweep, --quick                            (~4 min)
 #   zorro-profile  kernels by category for one dedup step                (~1.5 min)
+#   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
 #   tree-sweep     tree-attention backward variants                      (~2 min)
+#   fca-decode     the forest decode benchmark                           (~3 min)
 #   fca-diagnose   forest decode diagnosis                               (~3 min)
 #   pack-unpack    pack/unpack bandwidth sweep                           (~1 min)
+# The exit status is that of the last stage that failed (0 when all succeeded).
 set -uo pipefail
 out="${OUT:-benchmarks/results}/r"
 mkdir -p "$out"
@@ -23,13 +26,19 @@ export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
 fi
-export PYTHONPATH="$PWD/packages/arctic-dedup/src:$PWD/packages/arctic-zorro-train/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+packages="$PWD/packages/arctic-dedup/src:$PWD/packages/arctic-zorro-train/src:$PWD/packages/arctic-fca/src"
+export PYTHONPATH="$packages:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/device.txt" 2>&1
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+  >> "$out/device.txt" 2>&1
+failed=0
 run() {  # run NAME SECONDS COMMAND...
   local name=$1 seconds=$2
   shift 2
   local began=$SECONDS
   timeout "$seconds" "$@" > "$out/$name.log" 2>&1
   local status=$?
+  [ "$status" -ne 0 ] && failed=$status
   echo "== $name: exit $status in $((SECONDS - began)) s =="
   grep -v -i "warn" "$out/$name.log" | tail -"${ARCTIC_TAIL:-12}"
 }
@@ -42,6 +51,8 @@ for stage in "$@"; do
     zorro-hybrid) run zorro_hybrid 300 "${zorro[@]}" --sections hybrid ;;
     zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep ;;
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
+    tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
+    fca-decode) run fca_decode 240 python3 benchmarks/fca_decode.py --out "$out" ;;
     tree-sweep) run tree_sweep 240 python3 benchmarks/tree_attention.py --bwd-sweep --out "$out" ;;
     fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" ;;
     pack-unpack) run pack_unpack 150 python3 benchmarks/pack_unpack.py --out "$out" ;;
@@ -49,3 +60,4 @@ for stage in "$@"; do
   esac
 done
 tar -czf "$out/../results.tar.gz" -C "$out" .
+exit $failed
