@@ -9,7 +9,6 @@ non-deduplicated bf16 run does, their mutual cosine is set by two independent ro
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
@@ -24,25 +23,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import default_out_dir, run_metadata  # noqa: E402
 
 
-def _gradients(model: Any, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, torch.Tensor]:
-    from arctic_zorro_train import DeduplicatedActor
-    from arctic_zorro_train.testing import collect_grads
-
-    model.zero_grad(set_to_none=True)
-    DeduplicatedActor(model, "cuda", **options).compute_policy_loss_and_backward(batch)
-    return {name: grad.double() for name, grad in collect_grads(model).items()}
-
-
-def _one_minus_cosines(actual: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> dict[str, float]:
-    out = {}
-    for name, reference in truth.items():
-        if float(reference.norm()) == 0.0:
-            continue
-        cosine = torch.nn.functional.cosine_similarity(actual[name].flatten(), reference.flatten(), dim=0)
-        out[name] = 1.0 - float(cosine)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=default_out_dir())
@@ -55,9 +35,15 @@ def main() -> None:
 
     batch = test_gpu._batch()
     model = test_gpu._model(args.family)
-    truth_model = copy.deepcopy(model).float()
-    truth = _gradients(truth_model, batch, deduplicate=False, attention_backend="flex", fp32_logits=True)
-    del truth_model
+    truth = test_gpu._truth(model, batch)  # the yardstick the GPU tests use
+
+    def one_minus_cosines(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {
+            name: test_gpu._one_minus_cosine(actual[name], reference)
+            for name, reference in expected.items()
+            if float(reference.norm()) != 0.0
+        }
+
     runs: dict[str, dict[str, Any]] = {
         "baseline bf16": {"deduplicate": False, "attention_backend": "flex"},
         "baseline bf16, fp32 logits": {"deduplicate": False, "attention_backend": "flex", "fp32_logits": True},
@@ -70,10 +56,10 @@ def main() -> None:
             "fp32_logits": True,
         },
     }
-    gradients = {label: _gradients(model, batch, **options) for label, options in runs.items()}
+    gradients = {label: test_gpu._grads(model, batch, **options) for label, options in runs.items()}
     results: dict[str, Any] = {"vs_fp32_truth": {}, "pairs": {}}
     for label, grads in gradients.items():
-        results["vs_fp32_truth"][label] = _one_minus_cosines(grads, truth)
+        results["vs_fp32_truth"][label] = one_minus_cosines(grads, truth)
     pairs = [
         ("dedup flex", "baseline bf16"),
         ("dedup triton", "baseline bf16"),
@@ -82,7 +68,7 @@ def main() -> None:
         ("baseline bf16", "baseline bf16, fp32 logits"),
     ]
     for actual, expected in pairs:
-        results["pairs"][f"{actual} | {expected}"] = _one_minus_cosines(gradients[actual], gradients[expected])
+        results["pairs"][f"{actual} | {expected}"] = one_minus_cosines(gradients[actual], gradients[expected])
     print(f"{'comparison':58s} {'worst 1-cos':>12s} {'median':>10s}  worst parameter")
     for section in ("vs_fp32_truth", "pairs"):
         for label, values in results[section].items():
