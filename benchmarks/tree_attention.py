@@ -62,6 +62,7 @@ from arctic_dedup.attention._launch import (
 from arctic_dedup.attention._tables import build_kernel_tables
 from arctic_dedup.attention.auto import TreeAttentionBackend
 from arctic_dedup.attention.function import triton_tree_attention
+from arctic_dedup.attention.sdpa import sdpa_supports
 from arctic_dedup.attention_meta import block_sparsity
 from arctic_dedup.layout import SampleLayout
 
@@ -207,6 +208,7 @@ def _backends(configs: Configs) -> dict[str, Callable[..., Any]]:
         "triton": run("triton", deterministic=True, config=configs.deterministic),
         "triton_atomic_dq": run("triton", deterministic=False, config=configs.atomic),
         "varlen": run("varlen"),
+        "sdpa": run("sdpa"),
     }
 
 
@@ -264,6 +266,8 @@ def _correctness_case(run: Run, configs: Configs, case: str, plan: Plan) -> None
     exact, noise = pair
     noise_errors = [_relative_error(x, y) for x, y in zip([noise[0], *noise[2]], [exact[0], *exact[2]])]
     for backend, make in _backends(configs).items():
+        if backend == "sdpa" and sdpa_supports(plan) is not None:
+            continue  # prompt + responses trees only (the deep trie is not one)
         check = functools.partial(_check_backend, run, case, plan, (q, k, v, grad), exact, noise_errors, backend, make)
         run.attempt(f"correctness {case} {backend}", check, need_s=20)
 
@@ -842,7 +846,7 @@ def _performance_shape(run: Run, shape: str, layout: SampleLayout, configs: Conf
     tensors = _inputs(plan, seed=13)
     base = {"section": "performance", "shape": shape, "tokens": plan.num_packed_tokens, "pairs": useful_pairs(plan)}
     backends = _backends(configs)
-    for backend in ["triton", "flex"] if quick else ["triton", "flex", "triton_atomic_dq", "varlen"]:
+    for backend in ["triton", "flex", "sdpa"] if quick else ["triton", "flex", "triton_atomic_dq", "varlen", "sdpa"]:
         measure = functools.partial(_measure_row, run, base, backends[backend], plan, tensors, repeats, backend)
         run.attempt(f"performance {shape} {backend}", measure, need_s=45 if backend == "flex" else 15)
     run.attempt(

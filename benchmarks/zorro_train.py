@@ -110,7 +110,7 @@ class Options:
     def dedup_backends(self) -> tuple[str, ...]:
         if self.device.type != "cuda":
             return ("reference",)
-        return self.dedup_choice or ("flex", "triton", "varlen")
+        return self.dedup_choice or ("flex", "triton", "varlen", "sdpa")
 
     @property
     def baseline_backend(self) -> str:
@@ -723,8 +723,8 @@ def main() -> int:
         "--dedup-backends",
         nargs="*",
         default=[],
-        choices=["flex", "triton", "varlen"],
-        help="tree-attention backends timed for the dedup run (default: all three)",
+        choices=["flex", "triton", "varlen", "sdpa"],
+        help="tree-attention backends timed for the dedup run (default: flex, triton, varlen, sdpa)",
     )
     parser.add_argument(
         "--baselines",

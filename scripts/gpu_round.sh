@@ -8,12 +8,14 @@
 #
 # Stages (about how long on the H200):
 #   tests          nox -s gpu_tests                                     (~5 min)
-#   zorro-dense    ZoRRO dense P=8192 G=16 R=512: Flex dedup vs HF SDPA  (~1.5 min)
-#   zorro-ragged   the ragged variant                                    (~1.5 min)
+#   sdpa-tests     the GPU tests of tree attention's sdpa backend        (~1 min)
+#   zorro-dense    ZoRRO dense P=8192 G=16 R=512: sdpa and Flex dedup vs HF SDPA  (~2 min)
+#   zorro-ragged   the ragged variant                                    (~2 min)
 #   zorro-hybrid   Qwen3.5-like hybrid (needs the fla wheels)            (~3 min)
 #   zorro-sweep    dedup-ratio sweep, --quick                            (~4 min)
 #   zorro-profile  kernels by category for one dedup step                (~1.5 min)
 #   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
+#   tree-quick     its correctness section and the first shape            (~2 min)
 #   tree-sweep     tree-attention backward variants                      (~2 min)
 #   fca-decode     the forest decode benchmark                           (~3 min)
 #   fca-diagnose   forest decode diagnosis                               (~3 min)
@@ -46,12 +48,15 @@ zorro=(python3 benchmarks/zorro_train.py --quick --out "$out")
 for stage in "$@"; do
   case "$stage" in
     tests) OUT="$out" run gpu_tests 330 python3 -m nox -s gpu_tests ;;
-    zorro-dense) run zorro_dense 200 "${zorro[@]}" --sections dense --dedup-backends flex --baselines hf_sdpa ;;
-    zorro-ragged) run zorro_ragged 200 "${zorro[@]}" --sections ragged --dedup-backends flex --baselines hf_sdpa ;;
+    sdpa-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run sdpa_tests 150 python3 -m pytest -q -m gpu -k sdpa \
+      -p no:cacheprovider packages/arctic-dedup/tests/attention/test_tree_attention_gpu.py ;;
+    zorro-dense) run zorro_dense 240 "${zorro[@]}" --sections dense --dedup-backends sdpa flex --baselines hf_sdpa ;;
+    zorro-ragged) run zorro_ragged 240 "${zorro[@]}" --sections ragged --dedup-backends sdpa flex --baselines hf_sdpa ;;
     zorro-hybrid) run zorro_hybrid 300 "${zorro[@]}" --sections hybrid ;;
     zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep ;;
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
+    tree-quick) run tree_quick 200 python3 benchmarks/tree_attention.py --quick --budget-s 170 --out "$out" ;;
     fca-decode) run fca_decode 240 python3 benchmarks/fca_decode.py --out "$out" ;;
     tree-sweep) run tree_sweep 240 python3 benchmarks/tree_attention.py --bwd-sweep --out "$out" ;;
     fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" ;;

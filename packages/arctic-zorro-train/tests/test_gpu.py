@@ -108,7 +108,7 @@ def _assert_as_exact_as_plain(
 def _backends() -> list[str]:
     from arctic_dedup.attention.varlen import varlen_available
 
-    backends = ["flex", "triton"]
+    backends = ["flex", "triton", "sdpa"]
     if varlen_available():
         backends.append("varlen")
     return backends

@@ -94,7 +94,7 @@ def _check_bf16(
         assert ours <= 3 * theirs + 1e-3, f"{backend} {name}: relative error {ours:.2e}, bf16 noise {theirs:.2e}"
 
 
-BACKENDS = ["triton", "flex", "varlen"]
+BACKENDS = ["triton", "flex", "varlen", "sdpa"]
 
 
 @pytest.mark.parametrize("case", list(_plans()))
@@ -102,7 +102,22 @@ BACKENDS = ["triton", "flex", "varlen"]
 def test_gpu_backends_bf16(case: str, backend: str) -> None:
     if backend == "varlen" and not varlen_available():
         pytest.skip("no flash-attention varlen kernels in this torch build")
+    if backend == "sdpa" and case == "deep_trie":
+        pytest.skip("backend='sdpa' runs prompt + responses trees only (tested to refuse tries on CPU)")
     _check_bf16(_plans()[case](), backend)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("heads", [(16, 4, 128), (8, 8, 64), (8, 1, 256)])
+def test_gpu_sdpa_kernels(kernel: str, heads: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both dense kernels behind backend='sdpa' (cuDNN is the default on Hopper; FlashAttention-2 elsewhere), on
+    ragged responses (padded batch) and on equal ones (views, no gather), head dims 64/128/256 and GQA."""
+    from arctic_dedup.attention import sdpa
+
+    chosen = {"cudnn": sdpa._Cudnn, "flash": sdpa._CudaFlash}[kernel]
+    monkeypatch.setattr(sdpa, "_kernel_for", lambda device: chosen)
+    _check_bf16(_plans()["ragged_edges"](), "sdpa", heads=heads)
+    _check_bf16(prompt_groups_plan([515], [[64] * 8], device="cuda"), "sdpa", heads=heads)
 
 
 def test_gpu_triton_deterministic_and_atomic_dq() -> None:

@@ -187,6 +187,10 @@ def _run_backend(
             softcap=softcap,
             deterministic=deterministic,
         )
+    if backend == "sdpa":
+        from arctic_dedup.attention.sdpa import sdpa_tree_attention
+
+        return sdpa_tree_attention(query, key, value, plan, scale=scale, sliding_window=sliding_window, softcap=softcap)
     from arctic_dedup.attention.varlen import varlen_tree_attention
 
     return varlen_tree_attention(query, key, value, plan, scale=scale, sliding_window=sliding_window, softcap=softcap)
@@ -269,7 +273,8 @@ def tree_attention(
         backend: ``"auto"`` (see ``choose_backend``), ``"reference"`` (dense fp32, or float64 for float64
             inputs; small inputs only),
             ``"flex"`` (FlexAttention with a block mask from the plan), ``"triton"`` (fused kernels over the plan's
-            block lists), ``"varlen"`` (flash-attention varlen calls per tree level, merged by log-sum-exp).
+            block lists), ``"varlen"`` (flash-attention varlen calls per tree level, merged by log-sum-exp),
+            ``"sdpa"`` (prompt + responses trees as dense calls to torch's fused kernels: cuDNN on Hopper).
         sliding_window: attend only to keys whose logical position is less than this many tokens behind the query
             (Mistral/Qwen convention: ``q_pos - k_pos < sliding_window``); None for full attention.
         softcap: cap scores as ``softcap * tanh(score / softcap)`` after scaling (Gemma 2 style); None for none.

@@ -11,9 +11,9 @@ from arctic_dedup.attention.reference import MAX_REFERENCE_SCORES
 
 __all__ = ["BACKENDS", "ConcreteBackend", "TreeAttentionBackend", "choose_backend"]
 
-TreeAttentionBackend = Literal["auto", "reference", "flex", "triton", "varlen"]
-ConcreteBackend = Literal["reference", "flex", "triton", "varlen"]
-BACKENDS: tuple[ConcreteBackend, ...] = ("reference", "flex", "triton", "varlen")
+TreeAttentionBackend = Literal["auto", "reference", "flex", "triton", "varlen", "sdpa"]
+ConcreteBackend = Literal["reference", "flex", "triton", "varlen", "sdpa"]
+BACKENDS: tuple[ConcreteBackend, ...] = ("reference", "flex", "triton", "varlen", "sdpa")
 
 
 def choose_backend(

@@ -1,0 +1,71 @@
+"""The ``sdpa`` backend (prompt + responses trees as dense fused-kernel calls merged by log-sum-exp) against the
+reference, in fp32 on CPU through torch's CPU flash kernel: equal and ragged responses, empty and one-token
+responses, groups of one, several trees, GQA; and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tree_attention_cases import deep_trie_plan, make_inputs, prompt_groups_plan
+
+from arctic_dedup import Plan
+from arctic_dedup.attention import tree_attention
+from arctic_dedup.attention.sdpa import sdpa_kernel_name, sdpa_supports
+
+PLANS = {
+    "equal_responses": lambda: prompt_groups_plan([37], [[9, 9, 9, 9]]),
+    "ragged_with_empty": lambda: prompt_groups_plan([40, 13], [[0, 1, 17, 5, 17], [6, 1]]),
+    "single_samples": lambda: prompt_groups_plan([5, 8, 3], [[4], [1], [7]]),
+    "many_trees_mixed": lambda: prompt_groups_plan([21, 2, 30], [[8, 8], [3, 11, 1, 1], [16]]),
+}
+
+
+def _check_against_reference(plan: Plan, heads_q: int, heads_kv: int, head_dim: int, seed: int) -> None:
+    q, k, v = make_inputs(plan, heads_q, heads_kv, head_dim, requires_grad=True, seed=seed)
+    out, lse = tree_attention(q, k, v, plan, backend="sdpa", scale=0.3, return_lse=True)
+    ref, ref_lse = tree_attention(q, k, v, plan, backend="reference", scale=0.3, return_lse=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    expected = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for name, got, want in zip("qkv", grads, expected):
+        error = float((got - want).norm() / want.norm())
+        assert error < 1e-5, f"d{name}: relative L2 error {error:.2e}"
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (4, 1), (8, 2)])
+def test_sdpa_matches_reference_fp32(name: str, heads_q: int, heads_kv: int) -> None:
+    assert sdpa_kernel_name(torch.device("cpu")) == "cpu_flash"
+    _check_against_reference(PLANS[name](), heads_q, heads_kv, 16, seed=3)
+
+
+def test_sdpa_head_dim_64_and_reused_plan() -> None:
+    plan = PLANS["ragged_with_empty"]()
+    for seed in (1, 2):  # the second call takes the per-plan cache
+        _check_against_reference(plan, 4, 2, 64, seed=seed)
+
+
+def test_sdpa_refuses_what_it_cannot_run() -> None:
+    trie = deep_trie_plan("cpu", scale=1)
+    assert trie.tree.num_levels > 2
+    assert sdpa_supports(trie) is not None
+    q, k, v = make_inputs(trie, 2, 2, 16)
+    with pytest.raises(NotImplementedError, match="levels deep"):
+        tree_attention(q, k, v, trie, backend="sdpa")
+    plan = PLANS["equal_responses"]()
+    assert sdpa_supports(plan) is None
+    q, k, v = make_inputs(plan, 2, 2, 16)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        tree_attention(q, k, v, plan, backend="sdpa", sliding_window=4)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        tree_attention(q, k, v, plan, backend="sdpa", softcap=2.0)
+
+
+def test_sdpa_lse_gradient_is_refused() -> None:
+    plan = PLANS["equal_responses"]()
+    q, k, v = make_inputs(plan, 2, 2, 16, requires_grad=True)
+    _, lse = tree_attention(q, k, v, plan, backend="sdpa", return_lse=True)
+    with pytest.raises(NotImplementedError, match="lse"):
+        lse.sum().backward()
