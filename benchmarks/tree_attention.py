@@ -935,11 +935,24 @@ def _headline(run: Run) -> None:
                 entries["sdpa_unpacked_causal"]["fwd_bwd_ms"] / best["fwd_bwd_ms"]
             )
             per_shape[shape]["pair_ratio_bound"] = entries["sdpa_unpacked_causal"]["pair_ratio_bound"]
+        if "sdpa" in entries and "flex" in entries:
+            per_shape.setdefault(shape, {}).update(
+                {
+                    "sdpa_vs_flex_fwdbwd": entries["flex"]["fwd_bwd_ms"] / entries["sdpa"]["fwd_bwd_ms"],
+                    "sdpa_vs_flex_fwd": entries["flex"]["fwd_ms"] / entries["sdpa"]["fwd_ms"],
+                    "sdpa_vs_flex_bwd": entries["flex"]["bwd_ms"] / entries["sdpa"]["bwd_ms"],
+                    "sdpa_fraction_of_matmul_rate": entries["sdpa"]["fwd_bwd_useful_tflops"] / 775.0,
+                }
+            )
         if "metadata" in entries:
             per_shape.setdefault(shape, {})["metadata_fraction_of_one_layer"] = entries["metadata"].get(
                 "metadata_fraction_of_one_layer"
             )
     run.summary["per_shape"] = per_shape
+    sdpa = find(first, "sdpa")
+    if sdpa is not None and flex is not None:
+        run.summary["sdpa_vs_flex_fwdbwd"] = flex["fwd_bwd_ms"] / sdpa["fwd_bwd_ms"]
+        run.summary["sdpa_useful_tflops_fwdbwd"] = sdpa["fwd_bwd_useful_tflops"]
     run.summary["flop_formula"] = FORMULA
     run.summary["matmul_rate_tflops"] = 775.0
 
@@ -955,7 +968,7 @@ def _plot(run: Run) -> None:
         return
     rows = [row for row in run.rows if row.get("section") == "performance" and "fwd_bwd_useful_tflops" in row]
     shapes = sorted({row["shape"] for row in rows})
-    backends = ["triton", "triton_atomic_dq", "flex", "varlen", "sdpa_unpacked_causal"]
+    backends = ["triton", "triton_atomic_dq", "flex", "varlen", "sdpa", "sdpa_unpacked_causal"]
     figure, axis = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(backends)
     for index, backend in enumerate(backends):

@@ -641,14 +641,20 @@ def _best_seconds(rows: list[dict[str, Any]], section: str, run: str) -> float:
 
 
 def merge_previous(path: Path, rows: list[dict[str, Any]], sections: Sequence[str]) -> list[dict[str, Any]]:
-    """Keep the rows of sections not re-run in this call, so sections can run in separate device calls."""
+    """Keep the rows of sections not re-run in this call, so sections can run in separate device calls. Every row
+    carries ``measured`` (the commit and date of the run that produced it)."""
+    stamp = {key: run_metadata()[key] for key in ("commit", "date")}
+    rows = [{**row, "measured": row.get("measured", stamp)} for row in rows]
     if not path.exists():
         return rows
     try:
-        previous = json.loads(path.read_text())["rows"]
+        results = json.loads(path.read_text())
+        previous, meta = results["rows"], results.get("meta", {})
     except (ValueError, KeyError):
         return rows
-    return [row for row in previous if row.get("section") not in sections] + rows
+    earlier = {key: meta.get(key, "unknown") for key in ("commit", "date")}
+    kept = [{**row, "measured": row.get("measured", earlier)} for row in previous if row.get("section") not in sections]
+    return kept + rows
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

@@ -82,8 +82,15 @@ def test_auto_rule_on_cpu() -> None:
     large_tokens = int((MAX_REFERENCE_SCORES / 4) ** 0.5) + 1
     large = torch.empty(large_tokens, 4, 16, device="meta")
     assert choose_backend(large, 2) == "flex"
-    # Gradients on CPU only come from the reference, which then names its size limit.
+    # Gradients on CPU only come from the reference, which then names its size limit...
     assert choose_backend(large, 2, needs_grad=True) == "reference"
+    # ...unless the trees are prompt trees: then torch's CPU flash kernel behind sdpa, exact and without the limit.
+    assert choose_backend(large, 2, needs_grad=True, tree_levels=2) == "sdpa"
+    assert choose_backend(large, 2, tree_levels=1) == "sdpa"
+    assert choose_backend(large, 2, needs_grad=True, tree_levels=3) == "reference"
+    assert choose_backend(large, 2, needs_grad=True, tree_levels=2, sliding_window=8) == "reference"
+    assert choose_backend(large, 2, needs_grad=True, tree_levels=2, lse_needs_grad=True) == "reference"
+    assert choose_backend(small, 2, needs_grad=True, tree_levels=2) == "reference"
 
 
 def test_auto_runs_and_is_differentiable_on_cpu() -> None:

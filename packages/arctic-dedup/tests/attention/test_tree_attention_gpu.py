@@ -228,6 +228,19 @@ def test_gpu_flex_does_not_recompile_for_new_lengths() -> None:
 
 
 def test_gpu_auto_rule() -> None:
-    assert choose_backend(torch.empty(8, 4, 64, device="cuda", dtype=torch.bfloat16), 2) == "triton"
-    assert choose_backend(torch.empty(8, 4, 64, device="cuda", dtype=torch.float16), 2, needs_grad=True) == "flex"
-    assert choose_backend(torch.empty(8, 4, 64, device="cuda", dtype=torch.float32), 2) == "flex"
+    bf16, fp16, fp32 = (
+        torch.empty(8, 4, 64, device="cuda", dtype=dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
+    assert choose_backend(bf16, 2) == "triton"
+    assert choose_backend(fp16, 2, needs_grad=True) == "flex"
+    assert choose_backend(fp32, 2) == "flex"
+    assert choose_backend(bf16, 2, needs_grad=True, tree_levels=2) == "sdpa"
+    assert choose_backend(fp16, 2, tree_levels=1) == "sdpa"
+    assert choose_backend(fp32, 2, needs_grad=True, tree_levels=2) == "flex"
+    assert choose_backend(bf16, 2, needs_grad=True, tree_levels=3) == "flex"
+    assert choose_backend(bf16, 2, needs_grad=True, tree_levels=2, softcap=30.0) == "flex"
+    plan = prompt_groups_plan([300], [[40, 41]], device="cuda")
+    q, k, v, _ = _inputs(plan, 8, 2, 64, torch.bfloat16, 3)
+    torch.testing.assert_close(
+        tree_attention(q, k, v, plan), tree_attention(q, k, v, plan, backend="sdpa"), rtol=0, atol=0
+    )

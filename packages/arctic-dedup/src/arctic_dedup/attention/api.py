@@ -288,12 +288,13 @@ def tree_attention(
         inputs), natural log.
 
     Differentiable in query, key and value through the output, and through the lse with ``triton`` and
-    ``reference`` (``flex``: as far as the installed torch supports it; ``varlen``: not, it raises).
+    ``reference`` (``flex``: as far as the installed torch supports it; ``varlen`` and ``sdpa``: not, they raise).
 
     Supported: D in {64, 128, 256} (and 16, 32); bfloat16, float16, float32, and float64 on ``reference`` only
     (computed in float64 end to end; ``auto`` gets there on CPU when the reference fits, any other backend raises
     ``TypeError``). ``varlen`` takes bf16/fp16 on CUDA only and neither a sliding window nor a softcap (it raises
-    ``NotImplementedError``; ``auto`` never picks it).
+    ``NotImplementedError``; ``auto`` never picks it). ``sdpa`` runs prompt trees only (``plan.tree.num_levels <=
+    2``), bf16/fp16 on CUDA and any float dtype on CPU, without sliding window, softcap or lse gradient.
     ``triton`` runs on CUDA (or on CPU under ``TRITON_INTERPRET=1``, for tests); ``reference`` refuses inputs with
     more than ``MAX_REFERENCE_SCORES`` scores.
     """
@@ -310,6 +311,8 @@ def tree_attention(
             softcap=softcap,
             needs_grad=needs_grad,
             reference_scores=reference_scores,
+            tree_levels=plan.tree.num_levels,
+            lse_needs_grad=needs_grad and return_lse,
         )
     else:
         assert backend in BACKENDS

@@ -24,46 +24,63 @@ def choose_backend(
     softcap: float | None = None,
     needs_grad: bool = False,
     reference_scores: int | None = None,
+    tree_levels: int | None = None,
+    lse_needs_grad: bool = False,
 ) -> ConcreteBackend:
     """Pick the fastest correct backend for the device and the shape.
 
-    ============  ==============================================  ============
-    device        condition                                       backend
-    ============  ==============================================  ============
-    CUDA          bf16/fp16, forward only, ``triton`` importable  ``triton``
-    CUDA          gradient needed                                 ``flex``
-    CUDA          fp32, or no ``triton``                          ``flex``
-    CPU           ``Hq * sum(tree_len^2) <= MAX_REFERENCE_SCORES``  ``reference`` (tree by tree if needed)
-    CPU           larger, no gradient needed                      ``flex``
-    CPU           larger, gradient needed                         ``reference`` (raises its size error)
-    ============  ==============================================  ============
+    "Prompt trees" below means ``tree_levels <= 2`` (each tree is a prompt and its responses: the GRPO/PPO layout,
+    ``sharing="prompt"``), with no sliding window, no softcap and no gradient through the returned lse.
 
-    Why: on CUDA both fused backends skip invisible tiles and never copy shared K/V. Measured on the H200
-    (``benchmarks/results/tree_attention.json``, Qwen3-4B heads, bf16): the Triton forward is 1.07-1.14x
-    FlexAttention's at P=8192 (0.99x at P=32K), but its backward is 0.75-0.81x, so forward+backward is 0.81-0.90x.
-    The backward sweep (``tree_attention_bwd_sweep.json``) brought the default backward to 0.92x FlexAttention's
-    (atomic dQ, 64x128 tiles; 0.86x deterministic), about 0.98x forward+backward at P=8192: still below parity, so
-    training goes to FlexAttention, forward-only calls (log-probs, reference models) to Triton. Both handle sliding
-    windows and softcaps, so neither option changes the choice. fp32 goes to FlexAttention because exact fp32
-    products leave the Triton kernels on small tiles. On CPU the Triton interpreter is far too slow to be chosen
-    implicitly, FlexAttention's backward is refused by torch and its eager path materializes the same dense scores
-    as the reference, so the reference wins whenever it fits and FlexAttention serves large inference-only calls.
-    ``varlen`` is never chosen automatically: it launches one call per tree level and gathers the queries of every
-    level, so it loses to both fused backends on trees.
+    ============  =====================================================  ============
+    device        condition                                              backend
+    ============  =====================================================  ============
+    CUDA          bf16/fp16, prompt trees                                ``sdpa``
+    CUDA          bf16/fp16, other trees, forward only, ``triton``       ``triton``
+    CUDA          bf16/fp16, other trees, gradient needed                ``flex``
+    CUDA          fp32; or other trees and no ``triton``                 ``flex``
+    CPU           ``Hq * sum(tree_len^2) <= MAX_REFERENCE_SCORES``         ``reference`` (tree by tree if needed)
+    CPU           larger, prompt trees                                   ``sdpa``
+    CPU           larger, no gradient needed                             ``flex``
+    CPU           larger, gradient needed                                ``reference`` (raises its size error)
+    ============  =====================================================  ============
 
-    The dtype does not change the choice: float64 inputs run only on ``reference``, so on CPU they work whenever the
-    reference fits, and wherever another backend is picked ``tree_attention`` refuses them, saying so.
+    Why: measured on the H200 (``benchmarks/results/tree_attention.json``, Qwen3-4B heads, bf16), ``sdpa`` (cuDNN's
+    fused kernels over the prompt / responses-x-prompt / responses split, merged by log-sum-exp) runs forward +
+    backward 1.35x FlexAttention's at P=8192 G=16 R=512, 1.26x on the ragged variant and 1.37x at P=32K, and its
+    forward 1.40-1.51x; whole ZoRRO training steps measure the same (``zorro_train.json``). It cannot express deeper
+    tries, windows or softcaps. There the fused backends, which skip invisible tiles and never copy shared K/V,
+    decide: the Triton forward is 1.0-1.25x FlexAttention's but its backward 0.65-0.71x, so training goes to
+    FlexAttention and forward-only calls (log-probs, reference models) to Triton. fp32 on CUDA goes to
+    FlexAttention (cuDNN takes half precision only, and exact fp32 products leave the Triton kernels on small
+    tiles). On CPU the Triton interpreter is far too slow to be chosen implicitly and FlexAttention's backward is
+    refused by torch, so the exact reference wins whenever it fits, then torch's CPU flash kernel behind ``sdpa``.
+    ``varlen`` is never chosen automatically: it gathers the queries of every tree level and loses to ``sdpa`` on
+    prompt trees and to the fused backends on tries.
+
+    The dtype does not change the choice otherwise: float64 inputs run only on ``reference``, so on CPU they work
+    whenever the reference fits, and wherever another backend is picked ``tree_attention`` refuses them, saying so.
     """
-    del sliding_window, softcap, num_kv_heads
+    del num_kv_heads
+    prompt_trees = (
+        tree_levels is not None
+        and tree_levels <= 2
+        and sliding_window is None
+        and softcap is None
+        and not lse_needs_grad
+    )
     if query.is_cuda:
-        if query.dtype != torch.float32 and triton_available() and not needs_grad:
-            return "triton"
-        return "flex"
+        if query.dtype == torch.float32:
+            return "flex"
+        if prompt_trees:
+            return "sdpa"
+        return "triton" if triton_available() and not needs_grad else "flex"
     num_tokens, num_q_heads = int(query.shape[0]), int(query.shape[1])
     # The reference runs tree by tree when the whole stream does not fit (trees never see each other), so what
     # must fit is the sum over trees when the caller knows it.
     scores = num_q_heads * num_tokens * num_tokens if reference_scores is None else reference_scores
-    fits_reference = scores <= MAX_REFERENCE_SCORES
-    if fits_reference or needs_grad:
+    if scores <= MAX_REFERENCE_SCORES:
         return "reference"
-    return "flex"
+    if prompt_trees and query.dtype != torch.float64:
+        return "sdpa"
+    return "reference" if needs_grad else "flex"
