@@ -52,7 +52,7 @@ for stage in "$@"; do
       -p no:cacheprovider packages/arctic-dedup/tests/attention/test_tree_attention_gpu.py ;;
     zorro-dense) run zorro_dense 240 "${zorro[@]}" --sections dense --dedup-backends sdpa flex --baselines hf_sdpa ;;
     zorro-ragged) run zorro_ragged 240 "${zorro[@]}" --sections ragged --dedup-backends sdpa flex --baselines hf_sdpa ;;
-    zorro-hybrid) run zorro_hybrid 300 "${zorro[@]}" --sections hybrid ;;
+    zorro-hybrid) run zorro_hybrid 200 "${zorro[@]}" --sections hybrid --dedup-backends sdpa --time-despite-fla-640 ;;
     zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep ;;
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;

@@ -174,9 +174,8 @@ def fla_unusable_reason(device: torch.device, dtype: torch.dtype = torch.bfloat1
 
     Decided once per device and dtype by running fla's ``chunk_gated_delta_rule`` forward and backward on a tiny
     input: fla refuses some setups outright (the gated backward on Hopper with Triton >= 3.4 and < 3.7.1 without
-    its TileLang backend, fla issue #640; on the H200 with Triton 3.6 fla takes bf16 through another backend and
-    refuses fp32),
-    and that refusal only surfaces inside the backward pass, too late to fall back.
+    its TileLang backend, fla issue #640: measured on the H200 with Triton 3.6 in bf16 and fp32 alike), and that
+    refusal only surfaces inside the backward pass, too late to fall back.
     """
     if importlib.util.find_spec("fla") is None:
         return "flash-linear-attention is not installed (install `arctic-zorro-train[fla]`)"
