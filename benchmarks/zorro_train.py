@@ -789,6 +789,7 @@ def main() -> int:
         smoke=args.smoke,
         dedup_choice=tuple(args.dedup_backends),
         baselines=tuple(args.baselines),
+        time_despite_fla_640=args.time_despite_fla_640,
     )
     runners: dict[str, Callable[[], list[dict[str, Any]]]] = {
         "dense": lambda: section_dense(options, ragged=False),
