@@ -578,7 +578,9 @@ def _variants() -> list[Variant]:
     deep = replace(base, num_stages=5, split_passes=True)
     return [
         Variant(
-            "v3_default", "plan_forest's default rule (v2_w1 for <= 1 (request, kv head) per SM, else stream_p64)", None
+            "v3_default",
+            "plan_forest's default rule (w1_p64 for <= 1 (request, kv head) per SM, else stream_p64)",
+            None,
         ),
         Variant(
             "split_p64_s64",

@@ -225,7 +225,7 @@ def test_v3_query_lengths_up_to_the_maximum() -> None:
 def test_default_config_is_a_rule_by_batch_size() -> None:
     one_wave = default_forest_config(16, 8, 132)
     assert (one_wave.prefix_waves, one_wave.waves, one_wave.split_passes) == (1.0, 1.0, False)
-    assert one_wave.prefix_block_n == ForestKernelConfig().prefix_block_n
+    assert one_wave.prefix_block_n == 64
     many = default_forest_config(128, 8, 132)
     assert (many.prefix_block_n, many.split_passes, many.prefix_waves) == (64, True, 2.0)
     assert default_forest_config(17, 8, 132) == many

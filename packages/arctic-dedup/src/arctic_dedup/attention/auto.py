@@ -50,7 +50,7 @@ def choose_backend(
     backward 1.35x FlexAttention's at P=8192 G=16 R=512, 1.26x on the ragged variant and 1.37x at P=32K, and its
     forward 1.40-1.51x; whole ZoRRO training steps measure the same (``zorro_train.json``). It cannot express deeper
     tries, windows or softcaps. There the fused backends, which skip invisible tiles and never copy shared K/V,
-    decide: the Triton forward is 1.0-1.25x FlexAttention's but its backward 0.65-0.71x, so training goes to
+    decide: the Triton forward is 0.98-1.25x FlexAttention's but its backward 0.65-0.93x, so training goes to
     FlexAttention and forward-only calls (log-probs, reference models) to Triton. fp32 on CUDA goes to
     FlexAttention (cuDNN takes half precision only, and exact fp32 products leave the Triton kernels on small
     tiles). On CPU the Triton interpreter is far too slow to be chosen implicitly and FlexAttention's backward is

@@ -104,17 +104,19 @@ class ForestKernelConfig:
 
 
 def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors: int) -> ForestKernelConfig:
-    """``plan_forest``'s config when none is given: a rule by batch size, from the H200 diagnosis of 2026-11-30.
+    """``plan_forest``'s config when none is given: a rule by batch size, from the H200 diagnoses of 2026-11-30.
 
-    A batch with at most one (request, kv head) pair per multiprocessor gets one wave of long items (version 2 with
-    ``prefix_waves = waves = 1``: 16 x (8192 + 512) kernels 40.6 us against 46.1; fewer partials to merge); larger
-    batches get 64-token prefix tiles in a prefix launch of their own on a side stream (8 groups x 16: 160.8 us
-    against 167.6; in one launch the 112 KB tiles cost the suffix items a third of their slots: 169.1 us). Each is
-    the best of 14 variants on its case and not worse than version 2 on the other (45.7 against 46.1 for the single
-    group; ``forest/NOTES.md``, "Version 3, measured").
+    A batch with at most one (request, kv head) pair per multiprocessor gets one wave of long items with 64x64
+    prefix tiles (``prefix_block_n=64``, ``prefix_waves = waves = 1``; "w1_p64" in the second diagnosis: 16 x (8192
+    + 512) kernels 34.4 us, whole op 45.6 us, against 40.8 / 51.7 us for the first round's one-wave rule with 64x32
+    tiles); larger batches get 64-token prefix tiles in a prefix launch of their own on a side stream (8 groups x
+    16: 161.0 us against 167.0 for version 2; in one launch the 112 KB tiles cost the suffix items a third of their
+    slots: 169.0 us). The second round's best for 8 x 16 (suffix tiles of 64 too, combine chunks of 8) measured
+    159.9 us, within the repeat-to-repeat spread, so that rule stays (``forest/NOTES.md``, "Version 3, measured";
+    ``benchmarks/results/fca_decode_diagnose.json``).
     """
     if num_requests * num_kv_heads <= multiprocessors:
-        return ForestKernelConfig(prefix_waves=1.0, waves=1.0)
+        return ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0)
     return ForestKernelConfig(prefix_block_n=64, split_passes=True)
 
 
