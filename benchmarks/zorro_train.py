@@ -106,12 +106,13 @@ class Options:
     dedup_choice: tuple[str, ...] = ()
     baselines: tuple[str, ...] = ("packed", "hf_sdpa")
     time_despite_fla_640: bool = False
+    sweep_prompts: tuple[int, ...] = ()
 
     @property
     def dedup_backends(self) -> tuple[str, ...]:
         if self.device.type != "cuda":
             return ("reference",)
-        return self.dedup_choice or ("flex", "triton", "varlen", "sdpa")
+        return self.dedup_choice or ("sdpa", "flex", "triton", "varlen")
 
     @property
     def baseline_backend(self) -> str:
@@ -506,6 +507,20 @@ def _max_group(
     return {"probes": list(probes), "peaks_gib": peaks, "predicted": predicted, "verified": verified}
 
 
+def _fits(make_step: Callable[[int], Callable[[], None]], group: int, model: Any, options: Options) -> dict[str, Any]:
+    """Does one dedup micro-batch of ``group`` responses per prompt fit (performance.md: >= 4x the baseline's)?"""
+    row: dict[str, Any] = {"section": "memory", "run": "dedup_at_4x_baseline_max", "group": group, "recompute": "full"}
+    try:
+        row["peak_gib"] = _peak_of(make_step(group), model, options)
+        row["fits"] = True
+    except Exception as error:
+        if not is_oom(error):
+            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        row["fits"] = False
+    release(options.device)
+    return row
+
+
 def section_memory(options: Options) -> list[dict[str, Any]]:
     """Full recompute in both runs; the baseline packs the whole group in one micro-batch (no sharing)."""
     model = build_model("dense", options)
@@ -556,6 +571,8 @@ def section_memory(options: Options) -> list[dict[str, Any]]:
                 row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows.append(row)
             release(options.device)
+            if run == "baseline" and row.get("verified"):
+                rows.append(_fits(dedup, 4 * row["verified"], model, options))
     model.gradient_checkpointing_disable()
     return rows
 
@@ -563,7 +580,9 @@ def section_memory(options: Options) -> list[dict[str, Any]]:
 def section_sweep(options: Options) -> list[dict[str, Any]]:
     layers = 8 if not options.smoke else 2
     model = build_model("dense", options, num_layers=layers)
-    if options.smoke:
+    if options.sweep_prompts:
+        prompt_lengths = list(options.sweep_prompts)
+    elif options.smoke:
         prompt_lengths = [16, 64]
     elif options.quick:
         prompt_lengths = [2048, 8192]
@@ -647,6 +666,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for row in rows
         if str(row.get("run", "")).startswith("max_group_") and row.get("verified")
     }
+    fits = [row for row in rows if row.get("run") == "dedup_at_4x_baseline_max"]
+    if fits:
+        summary["dedup_fits_4x_baseline_group"] = fits[-1]["fits"]
+        summary["dedup_group_checked"] = fits[-1]["group"]
     if "max_group_baseline" in maxima and "max_group_dedup" in maxima:
         summary["max_group_baseline"] = maxima["max_group_baseline"]
         summary["max_group_dedup"] = maxima["max_group_dedup"]
@@ -681,7 +704,14 @@ def merge_previous(path: Path, rows: list[dict[str, Any]], sections: Sequence[st
     except (ValueError, KeyError):
         return rows
     earlier = {key: meta.get(key, "unknown") for key in ("commit", "date")}
-    kept = [{**row, "measured": row.get("measured", earlier)} for row in previous if row.get("section") not in sections]
+    new_sweep_prompts = {row.get("prompt") for row in rows if row.get("section") == "sweep"}
+
+    def keep(row: dict[str, Any]) -> bool:
+        if row.get("section") == "sweep":  # the sweep may run a few prompt lengths per device call
+            return row.get("prompt") not in new_sweep_prompts
+        return row.get("section") not in sections
+
+    kept = [{**row, "measured": row.get("measured", earlier)} for row in previous if keep(row)]
     return kept + rows
 
 
@@ -694,7 +724,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt  # type: ignore[import-not-found]
 
     summaries = [row for row in results["rows"] if row.get("run") == "summary" and row.get("section") != "sweep"]
-    memory = [row for row in results["rows"] if row.get("section") == "memory" and row.get("run") == "equal_group"]
+    memory = [
+        row
+        for row in results["rows"]
+        if row.get("section") == "memory"
+        and row.get("run") == "equal_group"
+        and row.get("baseline_peak_gib") is not None
+        and row.get("dedup_peak_gib") is not None
+    ]
     sweep = [row for row in results["rows"] if row.get("section") == "sweep" and "speedup" in row]
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     speed_axis, memory_axis, sweep_axis = axes
@@ -758,7 +795,15 @@ def main() -> int:
         nargs="*",
         default=[],
         choices=["flex", "triton", "varlen", "sdpa"],
-        help="tree-attention backends timed for the dedup run (default: flex, triton, varlen, sdpa)",
+        help="tree-attention backends timed for the dedup run (default: sdpa, flex, triton, varlen; the first one "
+        "also serves the memory and sweep sections)",
+    )
+    parser.add_argument(
+        "--sweep-prompts",
+        nargs="*",
+        type=int,
+        default=[],
+        help="sweep: these prompt lengths only (rows of other lengths are kept from --merge-with)",
     )
     parser.add_argument(
         "--time-despite-fla-640",
@@ -790,6 +835,7 @@ def main() -> int:
         dedup_choice=tuple(args.dedup_backends),
         baselines=tuple(args.baselines),
         time_despite_fla_640=args.time_despite_fla_640,
+        sweep_prompts=tuple(args.sweep_prompts),
     )
     runners: dict[str, Callable[[], list[dict[str, Any]]]] = {
         "dense": lambda: section_dense(options, ragged=False),

@@ -12,7 +12,9 @@
 #   zorro-dense    ZoRRO dense P=8192 G=16 R=512: sdpa and Flex dedup vs HF SDPA  (~2 min)
 #   zorro-ragged   the ragged variant                                    (~2 min)
 #   zorro-hybrid   Qwen3.5-like hybrid (needs the fla wheels)            (~3 min)
-#   zorro-sweep    dedup-ratio sweep, --quick                            (~4 min)
+#   zorro-sweep    dedup-ratio sweep, --quick (P 2048 and 8192)          (~4 min)
+#   zorro-sweep-ends  the sweep at P 512 and 32768 (rows merge by prompt)  (~4 min)
+#   zorro-memory   peak memory at equal G, max G, dedup at 4x the baseline's max G  (~5 min)
 #   zorro-profile  kernels by category for one dedup step                (~1.5 min)
 #   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
 #   tree-quick     its correctness section and the first shape            (~2 min)
@@ -54,6 +56,8 @@ for stage in "$@"; do
     zorro-ragged) run zorro_ragged 240 "${zorro[@]}" --sections ragged --dedup-backends sdpa flex --baselines hf_sdpa ;;
     zorro-hybrid) run zorro_hybrid 200 "${zorro[@]}" --sections hybrid --dedup-backends sdpa --time-despite-fla-640 ;;
     zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep ;;
+    zorro-sweep-ends) run zorro_sweep_ends 330 "${zorro[@]}" --sections sweep --sweep-prompts 512 32768 ;;
+    zorro-memory) run zorro_memory 420 "${zorro[@]}" --sections memory --dedup-backends sdpa ;;
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
     tree-quick) run tree_quick 200 python3 benchmarks/tree_attention.py --quick --budget-s 170 --out "$out" ;;
