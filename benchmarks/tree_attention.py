@@ -62,12 +62,13 @@ from arctic_dedup.attention._launch import (
 from arctic_dedup.attention._tables import build_kernel_tables
 from arctic_dedup.attention.auto import TreeAttentionBackend
 from arctic_dedup.attention.function import triton_tree_attention
-from arctic_dedup.attention.sdpa import sdpa_supports
+from arctic_dedup.attention.sdpa import build_sdpa_trees, sdpa_supports
 from arctic_dedup.attention_meta import block_sparsity
 from arctic_dedup.layout import SampleLayout
 
 NAME = "tree_attention"
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+MODEL_ATTENTION_LAYERS = 36  # Qwen3-4B: one plan (and its metadata) serves this many attention layers per pass
 # Module constants so a CPU dry run (tests of this script under the Triton interpreter) can shrink them.
 DEVICE = "cuda"
 FORMULA = "useful_fwd = 4*D*Hq*pairs; useful_bwd = 2.5*useful_fwd; useful_fwd_bwd = 3.5*useful_fwd"
@@ -782,10 +783,15 @@ def _metadata_times(layout: SampleLayout, plan: Plan, config: TritonConfig) -> d
         }:
             build_kernel_tables(plan.kv_visible_until, plan.position_ids, block_m, block_n)
 
+    def sdpa_trees() -> None:
+        # The sdpa backend's metadata: the host list of (prompt, responses) rows, uncached.
+        build_sdpa_trees(plan)
+
     return {
         "plan_build_ms": host_ms(lambda: build_plan_from_layout(layout)),
         "block_sparsity_ms": host_ms(lambda: block_sparsity(plan.kv_visible_until, 128, 128)),
         "triton_tables_ms": host_ms(triton_tables),
+        "sdpa_trees_ms": host_ms(sdpa_trees),
     }
 
 
@@ -829,14 +835,19 @@ def _baseline_row(run: Run, base: dict[str, Any], layout: SampleLayout, repeats:
 def _metadata_row(run: Run, base: dict[str, Any], layout: SampleLayout, plan: Plan, configs: Configs) -> None:
     times = _metadata_times(layout, plan, configs.deterministic)
     attention = [row for row in run.rows if row.get("shape") == base["shape"] and row.get("backend") == "triton"]
+    sdpa = [row for row in run.rows if row.get("shape") == base["shape"] and row.get("backend") == "sdpa"]
     fraction = {}
     if attention:
         attention_ms = attention[-1]["fwd_bwd_ms"]
         metadata_ms = times["block_sparsity_ms"] + times["triton_tables_ms"]
+        # The plan and its metadata are built once per micro-batch and read by every attention layer.
         fraction = {
             "metadata_fraction_of_one_layer": metadata_ms / attention_ms,
+            "metadata_fraction_of_all_layers": metadata_ms / (MODEL_ATTENTION_LAYERS * attention_ms),
             "plan_fraction_of_one_layer": times["plan_build_ms"] / attention_ms,
         }
+    if sdpa:
+        fraction["sdpa_metadata_fraction_of_one_layer"] = times["sdpa_trees_ms"] / sdpa[-1]["fwd_bwd_ms"]
     run.rows.append({**base, "backend": "metadata", **times, **fraction})
 
 
@@ -945,9 +956,15 @@ def _headline(run: Run) -> None:
                 }
             )
         if "metadata" in entries:
-            per_shape.setdefault(shape, {})["metadata_fraction_of_one_layer"] = entries["metadata"].get(
-                "metadata_fraction_of_one_layer"
-            )
+            metadata = entries["metadata"]
+            one_layer = metadata.get("metadata_fraction_of_one_layer")
+            per_shape.setdefault(shape, {})["metadata_fraction_of_one_layer"] = one_layer
+            if one_layer is not None:
+                per_shape[shape]["metadata_fraction_of_all_layers"] = one_layer / MODEL_ATTENTION_LAYERS
+            if "sdpa_metadata_fraction_of_one_layer" in metadata:
+                per_shape[shape]["sdpa_metadata_fraction_of_one_layer"] = metadata[
+                    "sdpa_metadata_fraction_of_one_layer"
+                ]
     run.summary["per_shape"] = per_shape
     sdpa = find(first, "sdpa")
     if sdpa is not None and flex is not None:

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
 
-__all__ = ["sdpa_kernel_name", "sdpa_supports", "sdpa_tree_attention"]
+__all__ = ["build_sdpa_trees", "sdpa_kernel_name", "sdpa_supports", "sdpa_tree_attention"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,8 +186,14 @@ def sdpa_supports(plan: Plan) -> str | None:
 
 def _trees(plan: Plan) -> tuple[_Tree, ...]:
     cached = _TREES.get(plan.kv_visible_until)
-    if cached is not None:
-        return cached  # type: ignore[no-any-return]
+    if cached is None:
+        cached = _TREES[plan.kv_visible_until] = build_sdpa_trees(plan)
+    return cached  # type: ignore[no-any-return]
+
+
+def build_sdpa_trees(plan: Plan) -> tuple[_Tree, ...]:
+    """The plan's trees as ``backend='sdpa'`` runs them (host integers; one device sync). Uncached: the backend
+    keeps one per plan."""
     problem = sdpa_supports(plan)
     if problem is not None:
         raise NotImplementedError(problem)
@@ -217,9 +223,7 @@ def _trees(plan: Plan) -> tuple[_Tree, ...]:
             real = (steps[None, :] < lengths_tensor[:, None]).flatten()
             real_positions = torch.nonzero(real).flatten().to(device)
         trees.append(_Tree(start[root], length[root], responses_start, lengths, padded_rows, real_positions))
-    result = tuple(trees)
-    _TREES[plan.kv_visible_until] = result
-    return result
+    return tuple(trees)
 
 
 # ----------------------------------------------------------------------------------------------------------------
