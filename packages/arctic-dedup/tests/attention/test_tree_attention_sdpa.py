@@ -69,3 +69,26 @@ def test_sdpa_lse_gradient_is_refused() -> None:
     _, lse = tree_attention(q, k, v, plan, backend="sdpa", return_lse=True)
     with pytest.raises(NotImplementedError, match="lse"):
         lse.sum().backward()
+
+
+@pytest.mark.parametrize("name", ["equal_responses", "ragged_with_empty", "many_trees_mixed"])
+def test_sdpa_branch_isolation_is_bit_exact(name: str) -> None:
+    """Changing every token outside one sample (its prompt and response) leaves that sample's outputs bit-identical:
+    siblings share the batched calls (B and C) but never each other's rows."""
+    plan = PLANS[name]()
+    q, k, v = make_inputs(plan, 4, 2, 16, seed=7)
+    base = tree_attention(q, k, v, plan, backend="sdpa")
+    generator = torch.Generator().manual_seed(8)
+    for sample in range(plan.num_samples):
+        begin, end = plan.layout.sample_offsets[sample : sample + 2].tolist()
+        inside = torch.zeros(plan.num_packed_tokens, dtype=torch.bool)
+        inside[plan.unpack_map.gather_index[begin:end]] = True
+        outside = ~inside
+        if not bool(outside.any()):
+            continue
+        changed = [t.clone() for t in (q, k, v)]
+        for tensor in changed:
+            tensor[outside] = torch.randn(tensor[outside].shape, generator=generator) * 10
+        out = tree_attention(changed[0], changed[1], changed[2], plan, backend="sdpa")
+        assert torch.equal(out[inside], base[inside]), f"sample {sample}"
+        assert not torch.equal(out[outside], base[outside])
