@@ -14,7 +14,8 @@ __all__ = ["ZorroSettings"]
 @dataclass(frozen=True)
 class ZorroSettings:
     """use_split_attention: tree attention (True) or reconstruct-then-attend (False, slower, exact);
-    attention_backend: ``tree_attention``'s backend (``"auto"``, ``"reference"``, ``"flex"``, ``"triton"``);
+    attention_backend: ``tree_attention``'s backend (``"auto"``, ``"reference"``, ``"flex"``, ``"triton"``,
+    ``"varlen"``, ``"sdpa"``; ``auto`` takes ``sdpa``, cuDNN, for the prompt trees of ``sharing="prompt"`` on GPUs);
     logits_mode / logits_chunk_size / fp32_logits: see ``token_logprobs``; sharing: ``"prompt"`` or ``"trie"``;
     response_length / temperature / rollout_n: defaults for calls of the patched ``model(...)`` (``rollout_n`` is
     informational: groups are found from the token ids, whatever their size); deduplicate: False runs the same
