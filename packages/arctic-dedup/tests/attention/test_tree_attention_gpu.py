@@ -115,7 +115,7 @@ def test_gpu_sdpa_kernels(kernel: str, heads: tuple[int, int, int], monkeypatch:
     from arctic_dedup.attention import sdpa
 
     chosen = {"cudnn": sdpa._Cudnn, "flash": sdpa._CudaFlash}[kernel]
-    monkeypatch.setattr(sdpa, "_kernel_for", lambda device: chosen)
+    monkeypatch.setattr(sdpa, "_kernel_for", lambda device, deterministic=False: chosen)
     _check_bf16(_plans()["ragged_edges"](), "sdpa", heads=heads)
     _check_bf16(prompt_groups_plan([515], [[64] * 8], device="cuda"), "sdpa", heads=heads)
 
@@ -244,3 +244,21 @@ def test_gpu_auto_rule() -> None:
     torch.testing.assert_close(
         tree_attention(q, k, v, plan), tree_attention(q, k, v, plan, backend="sdpa"), rtol=0, atol=0
     )
+
+
+def test_gpu_sdpa_deterministic_backward_is_repeatable() -> None:
+    """deterministic=True takes FlashAttention-2's deterministic backward (cuDNN's reduces dQ with atomics)."""
+    plan = _plans()["group_of_64"]()
+    _check_bf16(plan, "sdpa", deterministic=True)
+    q, k, v, grad = _inputs(plan, 16, 4, 128, torch.bfloat16, 5)
+    runs = [
+        _run(
+            lambda a, b, c: tree_attention(a, b, c, plan, backend="sdpa", return_lse=True, deterministic=True),
+            q,
+            k,
+            v,
+            grad,
+        )
+        for _ in range(2)
+    ]
+    assert all(torch.equal(x, y) for x, y in zip(*runs)), "deterministic sdpa backward is not bitwise repeatable"

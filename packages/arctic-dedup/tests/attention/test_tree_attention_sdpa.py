@@ -92,3 +92,18 @@ def test_sdpa_branch_isolation_is_bit_exact(name: str) -> None:
         out = tree_attention(changed[0], changed[1], changed[2], plan, backend="sdpa")
         assert torch.equal(out[inside], base[inside]), f"sample {sample}"
         assert not torch.equal(out[outside], base[outside])
+
+
+def test_sdpa_deterministic_picks_flash_and_repeats() -> None:
+    from arctic_dedup.attention import sdpa
+
+    # On CUDA, determinism means FlashAttention-2's backward (decided before the device is queried).
+    assert sdpa._kernel_for(torch.device("cuda"), deterministic=True) is sdpa._CudaFlash
+    plan = PLANS["ragged_with_empty"]()
+    grads = []
+    for _ in range(2):
+        q, k, v = make_inputs(plan, 4, 2, 16, requires_grad=True, seed=11)
+        out = tree_attention(q, k, v, plan, backend="sdpa", deterministic=True)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert not torch.are_deterministic_algorithms_enabled()  # the flag is restored after the backward

@@ -190,7 +190,16 @@ def _run_backend(
     if backend == "sdpa":
         from arctic_dedup.attention.sdpa import sdpa_tree_attention
 
-        return sdpa_tree_attention(query, key, value, plan, scale=scale, sliding_window=sliding_window, softcap=softcap)
+        return sdpa_tree_attention(
+            query,
+            key,
+            value,
+            plan,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            deterministic=deterministic,
+        )
     from arctic_dedup.attention.varlen import varlen_tree_attention
 
     return varlen_tree_attention(query, key, value, plan, scale=scale, sliding_window=sliding_window, softcap=softcap)
@@ -280,8 +289,8 @@ def tree_attention(
         softcap: cap scores as ``softcap * tanh(score / softcap)`` after scaling (Gemma 2 style); None for none.
         return_lse: also return the log-sum-exp of the (scaled, capped) scores.
         deterministic: make the backward pass bitwise reproducible (``triton`` then reduces dQ without atomics;
-            the reference is deterministic anyway; ``flex`` and ``varlen`` follow
-            ``torch.use_deterministic_algorithms``).
+            ``sdpa`` runs FlashAttention-2's deterministic backward instead of cuDNN's on CUDA; the reference is
+            deterministic anyway; ``flex`` and ``varlen`` follow ``torch.use_deterministic_algorithms``).
 
     Returns:
         ``[T, Hq, D]`` in the input dtype, or ``(out, lse)`` with lse ``[T, Hq]`` float32 (float64 for float64

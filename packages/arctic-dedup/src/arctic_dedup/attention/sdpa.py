@@ -18,6 +18,8 @@ run). Limits: trees of depth 1 (``plan.tree.num_levels <= 2``: the GRPO/PPO layo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -135,12 +137,32 @@ class _CudaFlash:
 _Kernel = type[_CpuFlash] | type[_Cudnn] | type[_CudaFlash]
 
 
-def _kernel_for(device: torch.device) -> _Kernel:
+def _kernel_for(device: torch.device, deterministic: bool = False) -> _Kernel:
     if device.type == "cpu":
         return _CpuFlash
+    # cuDNN's backward accumulates dQ with atomics; FlashAttention-2 has a deterministic backward.
+    if deterministic or torch.are_deterministic_algorithms_enabled():
+        return _CudaFlash
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
         return _Cudnn
     return _CudaFlash
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """torch's kernels read determinism from the global flag: set it (not warn-only) for the duration."""
+    if not enabled:
+        yield
+        return
+    previous, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=warn_only)
 
 
 def sdpa_kernel_name(device: torch.device) -> str:
@@ -273,9 +295,15 @@ def _own_scatter(tree: _Tree, x: torch.Tensor, target: torch.Tensor) -> None:
 class _SdpaTreeAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Plan, scale: float
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        plan: Plan,
+        scale: float,
+        deterministic: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kernel = _kernel_for(query.device)
+        kernel = _kernel_for(query.device, deterministic)
         trees = _trees(plan)
         out = torch.empty_like(query)
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
@@ -312,7 +340,7 @@ class _SdpaTreeAttention(torch.autograd.Function):
                     lse[r0:r1] = s_own
             states.append(parts)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.plan, ctx.scale, ctx.states = plan, scale, states
+        ctx.plan, ctx.scale, ctx.states, ctx.kernel, ctx.deterministic = plan, scale, states, kernel, deterministic
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -327,9 +355,14 @@ class _SdpaTreeAttention(torch.autograd.Function):
                 "'reference' when the loss depends on the lse."
             )
         if grad_out is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
+        with _deterministic_algorithms(ctx.deterministic):
+            return _SdpaTreeAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, out, lse = ctx.saved_tensors
-        kernel = _kernel_for(query.device)
+        kernel = ctx.kernel
         grad_out = grad_out.contiguous()
         dq = torch.empty_like(query)
         dk = torch.zeros_like(key)
@@ -381,7 +414,7 @@ class _SdpaTreeAttention(torch.autograd.Function):
                 dk[p0:p1] += _rows(g_k)
                 dv[p0:p1] += _rows(g_v)
             dq[r0:r1] = dq_responses
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def sdpa_tree_attention(
@@ -393,8 +426,11 @@ def sdpa_tree_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out ``[T, Hq, D]``, lse ``[T, Hq]`` fp32); see the module docstring for what is supported."""
+    """(out ``[T, Hq, D]``, lse ``[T, Hq]`` fp32); see the module docstring for what is supported.
+    ``deterministic`` (or ``torch.use_deterministic_algorithms``): FlashAttention-2's deterministic backward on CUDA
+    instead of cuDNN's (the CPU kernel is deterministic anyway)."""
     if sliding_window is not None or softcap is not None:
         raise NotImplementedError(
             "backend='sdpa' supports neither sliding_window nor softcap (torch's fused kernels take neither here); "
@@ -408,5 +444,5 @@ def sdpa_tree_attention(
     problem = sdpa_supports(plan)
     if problem is not None:
         raise NotImplementedError(problem)
-    result: tuple[torch.Tensor, torch.Tensor] = _SdpaTreeAttention.apply(query, key, value, plan, scale)
+    result: tuple[torch.Tensor, torch.Tensor] = _SdpaTreeAttention.apply(query, key, value, plan, scale, deterministic)
     return result
