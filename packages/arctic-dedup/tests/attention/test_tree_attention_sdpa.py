@@ -107,3 +107,18 @@ def test_sdpa_deterministic_picks_flash_and_repeats() -> None:
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert not torch.are_deterministic_algorithms_enabled()  # the flag is restored after the backward
+
+
+@pytest.mark.parametrize("name", ["ragged_with_empty", "many_trees_mixed"])
+def test_sdpa_ragged_varlen_path_matches_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, ragged responses run part C as one FlashAttention-2 varlen call over their own rows; here the same
+    integration (lse layout [H, rows], merge, backward with the merged output and lse) through a dense stand-in for
+    the varlen kernels. The real kernels run in the GPU tests."""
+    from test_tree_attention_varlen import DenseVarlenKernels
+
+    from arctic_dedup.attention import sdpa
+
+    monkeypatch.setattr(sdpa, "_ragged_own_varlen", lambda device: True)
+    monkeypatch.setattr(sdpa, "_varlen_kernels", lambda: DenseVarlenKernels)
+    for heads in ((4, 4), (8, 2)):
+        _check_against_reference(PLANS[name](), *heads, 16, seed=5)

@@ -4,8 +4,9 @@ kernels, merged by log-sum-exp.
 For every tree of the plan: (A) the prompt's causal self-attention; (B) the queries of all its responses against
 the prompt's keys, one non-causal call, since every response sees the whole prompt; (C) each response's causal
 self-attention, responses of one length in one batched call. B and C merge by log-sum-exp. All three read views of
-the packed stream: no copy of the prompt's K/V per response, and no gather when a tree's responses share a length
-(ragged responses are padded into one batch; padded rows are never seen by real ones and carry zero gradient).
+the packed stream: no copy of the prompt's K/V per response, and no gather when a tree's responses share a length.
+Ragged responses run C as one FlashAttention-2 varlen call over their own rows on CUDA (C is a few percent of the
+pairs), and as one padded batch on CPU (padded rows are never seen by real ones and carry zero gradient).
 The backward pass gives each part's backward kernel the *merged* output and log-sum-exp, which makes its
 probabilities the global ones, so the parts' gradients are exactly pieces of the full gradient and add up.
 
@@ -19,6 +20,7 @@ run). Limits: trees of depth 1 (``plan.tree.num_levels <= 2``: the GRPO/PPO layo
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -187,6 +189,8 @@ class _Tree:
     # [n * longest] padded rows, the flat positions of the real ones in response order.
     padded_rows: torch.Tensor | None
     real_positions: torch.Tensor | None
+    # Ragged responses only: int32 offsets of the responses within their rows (FlashAttention varlen on CUDA).
+    cu_seqlens: torch.Tensor | None = None
 
     @property
     def responses_rows(self) -> int:
@@ -235,7 +239,7 @@ def build_sdpa_trees(plan: Plan) -> tuple[_Tree, ...]:
                     "interleaves them. Use backend='flex' or 'triton'."
                 )
             expected += length[child]
-        padded_rows = real_positions = None
+        padded_rows = real_positions = cu_seqlens = None
         if len(set(lengths)) > 1:
             longest = max(lengths)
             offsets = torch.tensor([start[child] for child in children])
@@ -244,8 +248,34 @@ def build_sdpa_trees(plan: Plan) -> tuple[_Tree, ...]:
             padded_rows = (offsets[:, None] + torch.minimum(steps[None, :], lengths_tensor[:, None] - 1)).to(device)
             real = (steps[None, :] < lengths_tensor[:, None]).flatten()
             real_positions = torch.nonzero(real).flatten().to(device)
-        trees.append(_Tree(start[root], length[root], responses_start, lengths, padded_rows, real_positions))
+            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
+        trees.append(
+            _Tree(start[root], length[root], responses_start, lengths, padded_rows, real_positions, cu_seqlens)
+        )
     return tuple(trees)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ragged responses on CUDA: part C as one FlashAttention-2 varlen call over the responses' own rows (no padding,
+# no gather; part C is a few percent of the pairs, so FA2's lower rate than cuDNN's does not matter).
+
+
+def _ragged_own_varlen(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _varlen_kernels() -> Any:
+    from arctic_dedup.attention.varlen import _TorchFlash
+
+    return _TorchFlash
+
+
+def _own_segments(tree: _Tree) -> Any:
+    from arctic_dedup.attention.varlen import _Segments
+
+    assert tree.cu_seqlens is not None
+    longest = max(tree.response_lengths)
+    return _Segments(None, None, tree.cu_seqlens, tree.cu_seqlens, longest, longest, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,6 +322,43 @@ def _own_scatter(tree: _Tree, x: torch.Tensor, target: torch.Tensor) -> None:
         target.index_add_(0, tree.padded_rows.flatten(), _rows(x))
 
 
+def _own_backward(
+    tree: _Tree,
+    kernel: _Kernel,
+    ctx: Any,
+    state: tuple[Any, ...],
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> torch.Tensor:
+    """Part C's backward through the dense kernel (views, or the padded batch); adds into dk/dv, returns the
+    responses' dq rows."""
+    r0 = tree.responses_start
+    if tree.padded_rows is None:
+        lse_own = _batch(lse.unsqueeze(-1), r0, len(tree.response_lengths), tree.response_lengths[0])
+        lse_own = lse_own.squeeze(-1).contiguous()
+    else:
+        lse_own = lse[tree.padded_rows].transpose(1, 2).contiguous()
+    grad_own = _own_inputs(tree, grad_out)
+    if tree.padded_rows is not None:
+        # Padded query rows: zero upstream gradient, so they add nothing to any gradient.
+        padding = torch.ones(grad_own.shape[0] * grad_own.shape[2], dtype=torch.bool, device=query.device)
+        padding[tree.real_positions] = False
+        grad_own = grad_own.masked_fill(padding.view(grad_own.shape[0], 1, -1, 1), 0)
+    g_q, g_k, g_v = kernel.backward(
+        grad_own, _own_inputs(tree, query), _own_inputs(tree, key), _own_inputs(tree, value),
+        _own_inputs(tree, out), lse_own, True, ctx.scale, state,
+    )  # fmt: skip
+    _own_scatter(tree, g_k, dk)
+    _own_scatter(tree, g_v, dv)
+    return _own_rows(tree, g_q)
+
+
 class _SdpaTreeAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -320,10 +387,16 @@ class _SdpaTreeAttention(torch.autograd.Function):
                 lse[p0:p1] = _rows(s)
             if tree.response_lengths:
                 r0, r1 = tree.responses_start, tree.responses_start + tree.responses_rows
-                o_own, s_own, parts.own = kernel.forward(
-                    _own_inputs(tree, query), _own_inputs(tree, key), _own_inputs(tree, value), True, scale
-                )
-                o_own, s_own = _own_rows(tree, o_own), _own_rows(tree, s_own).float()
+                if tree.padded_rows is not None and _ragged_own_varlen(query.device):
+                    o_own, s_own, parts.own = _varlen_kernels().forward(
+                        query[r0:r1], key[r0:r1], value[r0:r1], _own_segments(tree), scale
+                    )
+                    s_own = s_own.t().float()
+                else:
+                    o_own, s_own, parts.own = kernel.forward(
+                        _own_inputs(tree, query), _own_inputs(tree, key), _own_inputs(tree, value), True, scale
+                    )
+                    o_own, s_own = _own_rows(tree, o_own), _own_rows(tree, s_own).float()
                 if tree.prompt_length:
                     o_cross, s_cross, parts.cross = kernel.forward(
                         _batch(query, r0, 1, r1 - r0), _batch(key, p0, 1, p1 - p0), _batch(value, p0, 1, p1 - p0),
@@ -387,24 +460,18 @@ class _SdpaTreeAttention(torch.autograd.Function):
             if not tree.response_lengths:
                 continue
             r0, r1 = tree.responses_start, tree.responses_start + tree.responses_rows
-            if tree.padded_rows is None:
-                lse_own = _batch(lse.unsqueeze(-1), r0, len(tree.response_lengths), tree.response_lengths[0])
-                lse_own = lse_own.squeeze(-1).contiguous()
+            if tree.padded_rows is not None and _ragged_own_varlen(query.device):
+                g_q, g_k, g_v = _varlen_kernels().backward(
+                    grad_out[r0:r1], query[r0:r1], key[r0:r1], value[r0:r1], out[r0:r1],
+                    lse[r0:r1].t().contiguous(), _own_segments(tree), ctx.scale, parts.own,
+                )  # fmt: skip
+                dq_responses = g_q
+                dk[r0:r1] += g_k
+                dv[r0:r1] += g_v
             else:
-                lse_own = lse[tree.padded_rows].transpose(1, 2).contiguous()
-            grad_own = _own_inputs(tree, grad_out)
-            if tree.padded_rows is not None:
-                # Padded query rows: zero upstream gradient, so they add nothing to any gradient.
-                padding = torch.ones(grad_own.shape[0] * grad_own.shape[2], dtype=torch.bool, device=query.device)
-                padding[tree.real_positions] = False
-                grad_own = grad_own.masked_fill(padding.view(grad_own.shape[0], 1, -1, 1), 0)
-            g_q, g_k, g_v = kernel.backward(
-                grad_own, _own_inputs(tree, query), _own_inputs(tree, key), _own_inputs(tree, value),
-                _own_inputs(tree, out), lse_own, True, ctx.scale, parts.own,
-            )  # fmt: skip
-            dq_responses = _own_rows(tree, g_q)
-            _own_scatter(tree, g_k, dk)
-            _own_scatter(tree, g_v, dv)
+                dq_responses = _own_backward(
+                    tree, kernel, ctx, parts.own, grad_out, query, key, value, out, lse, dk, dv
+                )
             if tree.prompt_length:
                 g_q, g_k, g_v = kernel.backward(
                     batch(grad_out, r0, r1), batch(query, r0, r1), batch(key, p0, p1), batch(value, p0, p1),
