@@ -122,3 +122,17 @@ def test_sdpa_ragged_varlen_path_matches_reference(name: str, monkeypatch: pytes
     monkeypatch.setattr(sdpa, "_varlen_kernels", lambda: DenseVarlenKernels)
     for heads in ((4, 4), (8, 2)):
         _check_against_reference(PLANS[name](), *heads, 16, seed=5)
+
+
+def test_compiled_merge_equals_eager() -> None:
+    """The merge that CUDA runs compiled (one fused kernel), compiled here on CPU, against the eager merge, with the
+    strided lse views the backend passes and two row counts (dynamic shapes, one compilation)."""
+    from arctic_dedup.attention.sdpa import _merge_eager
+
+    compiled = torch.compile(_merge_eager, dynamic=True, fullgraph=True)
+    generator = torch.Generator().manual_seed(0)
+    for rows in (37, 100):
+        out_a, out_b = (torch.randn(rows, 4, 16, generator=generator) for _ in range(2))
+        lse_a, lse_b = (torch.randn(4, rows, generator=generator).t() for _ in range(2))
+        for got, want in zip(compiled(out_a, lse_a, out_b, lse_b), _merge_eager(out_a, lse_a, out_b, lse_b)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
