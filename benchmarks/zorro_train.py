@@ -485,26 +485,33 @@ def _peak_of(step: Callable[[], None], model: Any, options: Options) -> float | 
 def _max_group(
     make_step: Callable[[int], Callable[[], None]], model: Any, options: Options, probes: tuple[int, int]
 ) -> dict[str, Any]:
-    """Largest G that fits: fit peak(G) = a + b*G on two probes, then verify downwards from the prediction."""
+    """Largest G that fits: fit peak(G) = a + b*G on two probes, try the prediction, then bisect between the largest
+    G that fitted and the smallest that did not (to within 5%, at most 6 tries). ``verified`` always fitted."""
     peaks = [_peak_of(make_step(g), model, options) for g in probes]
     if peaks[0] is None or peaks[1] is None:
         return {"probes": list(probes), "peaks_gib": peaks}
     capacity = torch.cuda.get_device_properties(options.device).total_memory / 2**30
     slope = (peaks[1] - peaks[0]) / (probes[1] - probes[0])
     predicted = int(probes[1] + (capacity * 0.97 - peaks[1]) / max(slope, 1e-9))
-    verified = None
-    candidate = predicted
-    for _ in range(4):
+    fitted, failed = probes[1], None
+    candidate, tried = predicted, []
+    for _ in range(6):
         try:
             _peak_of(make_step(candidate), model, options)
-            verified = candidate
-            break
+            fitted = candidate
+            tried.append((candidate, True))
+            if failed is None:
+                break  # the prediction itself fits
         except Exception as error:
             if not is_oom(error):
                 raise
             release(options.device)
-            candidate = int(candidate * 0.9)
-    return {"probes": list(probes), "peaks_gib": peaks, "predicted": predicted, "verified": verified}
+            failed = candidate
+            tried.append((candidate, False))
+        if failed - fitted <= max(1, fitted // 20):
+            break
+        candidate = (fitted + failed) // 2
+    return {"probes": list(probes), "peaks_gib": peaks, "predicted": predicted, "verified": fitted, "tried": tried}
 
 
 def _fits(make_step: Callable[[int], Callable[[], None]], group: int, model: Any, options: Options) -> dict[str, Any]:
