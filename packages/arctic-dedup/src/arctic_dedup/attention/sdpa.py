@@ -426,7 +426,7 @@ class _SdpaTreeAttention(torch.autograd.Function):
                 r0, r1 = tree.responses_start, tree.responses_start + tree.responses_rows
                 if tree.padded_rows is not None and _ragged_own_varlen(query.device):
                     o_own, s_own, parts.own = _varlen_kernels().forward(
-                        query[r0:r1], key[r0:r1], value[r0:r1], _own_segments(tree), scale
+                        *(x[r0:r1].contiguous() for x in (query, key, value)), _own_segments(tree), scale
                     )
                     s_own = s_own.t().float()
                 else:
@@ -496,7 +496,7 @@ class _SdpaTreeAttention(torch.autograd.Function):
             r0, r1 = tree.responses_start, tree.responses_start + tree.responses_rows
             if tree.padded_rows is not None and _ragged_own_varlen(query.device):
                 g_q, g_k, g_v = _varlen_kernels().backward(
-                    grad_out[r0:r1], query[r0:r1], key[r0:r1], value[r0:r1], out[r0:r1],
+                    *(x[r0:r1].contiguous() for x in (grad_out, query, key, value, out)),
                     lse[r0:r1].t().contiguous(), _own_segments(tree), ctx.scale, parts.own,
                 )  # fmt: skip
                 dq_responses = g_q
