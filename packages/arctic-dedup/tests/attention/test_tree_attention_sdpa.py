@@ -152,3 +152,20 @@ def test_sdpa_matches_reference_on_random_batches(batch: PaddedBatch, heads: tup
     plan = build_plan(batch.input_ids, batch.response_length, batch.attention_mask, sharing="prompt")
     assert sdpa_supports(plan) is None
     _check_against_reference(plan, *heads, 16, seed=1)
+
+
+def test_sdpa_takes_strided_inputs() -> None:
+    """q/k/v as ``[H, T, D]`` storage seen as ``[T, H, D]`` (how a layer may hand them over): same results."""
+    plan = PLANS["ragged_with_empty"]()
+    q, k, v = make_inputs(plan, 4, 2, 16, seed=9)
+    strided = [x.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(True) for x in (q, k, v)]
+    assert not strided[0].is_contiguous()
+    dense = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    outputs = [tree_attention(*inputs, plan, backend="sdpa") for inputs in (strided, dense)]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-6, atol=1e-6)
+    weight = torch.randn(outputs[0].shape, generator=torch.Generator().manual_seed(3))
+    for got, want in zip(
+        torch.autograd.grad((outputs[0] * weight).sum(), strided),
+        torch.autograd.grad((outputs[1] * weight).sum(), dense),
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
