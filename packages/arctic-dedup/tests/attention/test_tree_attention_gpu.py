@@ -271,6 +271,6 @@ def test_gpu_sdpa_strided_inputs() -> None:
     q, k, v, grad = _inputs(plan, 16, 4, 128, torch.bfloat16, 8)
     strided = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v)]
     assert not strided[0].is_contiguous()
-    call = lambda a, b, c: tree_attention(a, b, c, plan, backend="sdpa", return_lse=True)  # noqa: E731
+    call = lambda a, b, c: tree_attention(a, b, c, plan, backend="sdpa", return_lse=True)
     for got, want in zip(_run(call, *strided, grad), _run(call, q, k, v, grad)):
         assert _relative(got, want) < 1e-2
