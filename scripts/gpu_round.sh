@@ -11,7 +11,9 @@
 #   sdpa-tests     the GPU tests of tree attention's sdpa backend        (~1 min)
 #   zorro-dense    ZoRRO dense P=8192 G=16 R=512: sdpa and Flex dedup vs HF SDPA  (~2 min)
 #   zorro-ragged   the ragged variant                                    (~2 min)
-#   zorro-hybrid   Qwen3.5-like hybrid (needs the fla wheels)            (~3 min)
+#   zorro-hybrid   Qwen3.5-like hybrid (needs the fla wheels; with Triton 3.6 only timed despite fla #640, see
+#                  scripts/fetch_triton_parts.sh for Triton 3.7.1 and ARCTIC_TRITON)  (~3 min)
+#   hybrid-tests   the hybrid GPU gradient test (fla kernels when they are usable)  (~2 min)
 #   zorro-sweep    dedup-ratio sweep, --quick (P 2048 and 8192)          (~4 min)
 #   zorro-sweep-ends  the sweep at P 512 and 32768 (rows merge by prompt)  (~4 min)
 #   zorro-memory   peak memory at equal G, max G, dedup at 4x the baseline's max G  (~5 min)
@@ -31,7 +33,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
 fi
 packages="$PWD/packages/arctic-dedup/src:$PWD/packages/arctic-zorro-train/src:$PWD/packages/arctic-fca/src"
-export PYTHONPATH="$packages:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+# ARCTIC_TRITON=/tmp/triton371: a newer Triton assembled by scripts/gpu_triton.sh goes first on the path (for fla's
+# Gated DeltaNet kernels on Hopper; torch.compile users such as FlexAttention may not work with it).
+triton_dir=""
+if [ -n "${ARCTIC_TRITON:-}" ] && [ -d "$ARCTIC_TRITON/triton" ]; then triton_dir="$ARCTIC_TRITON:"; fi
+export PYTHONPATH="$packages:$triton_dir/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/device.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
   >> "$out/device.txt" 2>&1
@@ -55,6 +61,8 @@ for stage in "$@"; do
     zorro-dense) run zorro_dense 240 "${zorro[@]}" --sections dense --dedup-backends sdpa flex --baselines hf_sdpa ;;
     zorro-ragged) run zorro_ragged 240 "${zorro[@]}" --sections ragged --dedup-backends sdpa flex --baselines hf_sdpa ;;
     zorro-hybrid) run zorro_hybrid 200 "${zorro[@]}" --sections hybrid --dedup-backends sdpa --time-despite-fla-640 ;;
+    hybrid-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run hybrid_tests 150 python3 -m pytest -q -m gpu -k hybrid \
+      -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_gpu.py ;;
     zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep ;;
     zorro-sweep-ends) run zorro_sweep_ends 330 "${zorro[@]}" --sections sweep --sweep-prompts 512 32768 ;;
     zorro-memory) run zorro_memory 420 "${zorro[@]}" --sections memory --dedup-backends sdpa ;;
