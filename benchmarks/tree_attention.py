@@ -62,7 +62,7 @@ from arctic_dedup.attention._launch import (
 from arctic_dedup.attention._tables import build_kernel_tables
 from arctic_dedup.attention.auto import TreeAttentionBackend
 from arctic_dedup.attention.function import triton_tree_attention
-from arctic_dedup.attention.sdpa import build_sdpa_trees, sdpa_supports
+from arctic_dedup.attention.sdpa import build_sdpa_calls, sdpa_supports
 from arctic_dedup.attention_meta import block_sparsity
 from arctic_dedup.layout import SampleLayout
 
@@ -785,7 +785,7 @@ def _metadata_times(layout: SampleLayout, plan: Plan, config: TritonConfig) -> d
 
     def sdpa_trees() -> None:
         # The sdpa backend's metadata: the host list of (prompt, responses) rows, uncached.
-        build_sdpa_trees(plan)
+        build_sdpa_calls(plan)
 
     return {
         "plan_build_ms": host_ms(lambda: build_plan_from_layout(layout)),

@@ -102,8 +102,6 @@ BACKENDS = ["triton", "flex", "varlen", "sdpa"]
 def test_gpu_backends_bf16(case: str, backend: str) -> None:
     if backend == "varlen" and not varlen_available():
         pytest.skip("no flash-attention varlen kernels in this torch build")
-    if backend == "sdpa" and case == "deep_trie":
-        pytest.skip("backend='sdpa' runs prompt + responses trees only (tested to refuse tries on CPU)")
     _check_bf16(_plans()[case](), backend)
 
 
@@ -239,7 +237,9 @@ def test_gpu_auto_rule() -> None:
     assert choose_backend(fp32, 2, needs_grad=True, tree_levels=2) == "flex"
     assert choose_backend(bf16, 2, needs_grad=True, tree_levels=3) == "flex"
     assert choose_backend(bf16, 2, needs_grad=True, tree_levels=2, softcap=30.0) == "flex"
-    plan = prompt_groups_plan([300], [[40, 41]], device="cuda")
+    assert choose_backend(bf16, 2, needs_grad=True, tree_levels=2, tokens_per_tree=5000) == "sdpa"
+    assert choose_backend(bf16, 2, needs_grad=True, tree_levels=2, tokens_per_tree=1000) == "flex"
+    plan = prompt_groups_plan([4000], [[400, 410]], device="cuda")
     q, k, v, _ = _inputs(plan, 8, 2, 64, torch.bfloat16, 3)
     torch.testing.assert_close(
         tree_attention(q, k, v, plan), tree_attention(q, k, v, plan, backend="sdpa"), rtol=0, atol=0

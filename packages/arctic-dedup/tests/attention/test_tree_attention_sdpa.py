@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import PaddedBatch, padded_batches
-from tree_attention_cases import deep_trie_plan, make_inputs, prompt_groups_plan
+from tree_attention_cases import deep_trie_plan, make_inputs, prompt_groups_plan, random_tree_plan
 
 from arctic_dedup import Plan, build_plan
 from arctic_dedup.attention import tree_attention
@@ -53,12 +53,6 @@ def test_sdpa_head_dim_64_and_reused_plan() -> None:
 
 
 def test_sdpa_refuses_what_it_cannot_run() -> None:
-    trie = deep_trie_plan("cpu", scale=1)
-    assert trie.tree.num_levels > 2
-    assert sdpa_supports(trie) is not None
-    q, k, v = make_inputs(trie, 2, 2, 16)
-    with pytest.raises(NotImplementedError, match="levels deep"):
-        tree_attention(q, k, v, trie, backend="sdpa")
     plan = PLANS["equal_responses"]()
     assert sdpa_supports(plan) is None
     q, k, v = make_inputs(plan, 2, 2, 16)
@@ -66,6 +60,20 @@ def test_sdpa_refuses_what_it_cannot_run() -> None:
         tree_attention(q, k, v, plan, backend="sdpa", sliding_window=4)
     with pytest.raises(NotImplementedError, match="softcap"):
         tree_attention(q, k, v, plan, backend="sdpa", softcap=2.0)
+
+
+@pytest.mark.parametrize("scale", [1, 2])
+def test_sdpa_runs_deep_tries(scale: int) -> None:
+    """A 4-level trie (shared system prompt, questions, partial responses, branches): rows merge three times."""
+    plan = deep_trie_plan("cpu", scale=scale)
+    assert plan.tree.num_levels > 2
+    _check_against_reference(plan, 4, 2, 16, seed=scale)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sdpa_runs_random_trees(seed: int) -> None:
+    plan = random_tree_plan(seed)
+    _check_against_reference(plan, 4, 2, 16, seed=seed)
 
 
 def test_sdpa_lse_gradient_is_refused() -> None:
@@ -127,6 +135,7 @@ def test_sdpa_ragged_varlen_path_matches_reference(name: str, monkeypatch: pytes
     monkeypatch.setattr(sdpa, "_varlen_kernels", lambda: DenseVarlenKernels)
     for heads in ((4, 4), (8, 2)):
         _check_against_reference(PLANS[name](), *heads, 16, seed=5)
+    _check_against_reference(deep_trie_plan("cpu"), 4, 2, 16, seed=6)
 
 
 def test_compiled_merge_equals_eager() -> None:
@@ -144,12 +153,16 @@ def test_compiled_merge_equals_eager() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(padded_batches(max_samples=10, max_prompt=9, max_response=6), st.sampled_from([(2, 2), (4, 1), (4, 2)]))
-def test_sdpa_matches_reference_on_random_batches(batch: PaddedBatch, heads: tuple[int, int]) -> None:
-    """Random verl batches planned with prompt sharing (left/right padding, ragged and empty responses, groups of
-    one, non-contiguous group members, identical ids with different masks): fp32 outputs, lse and gradients within
-    1e-5 of the reference."""
-    plan = build_plan(batch.input_ids, batch.response_length, batch.attention_mask, sharing="prompt")
+@given(
+    padded_batches(max_samples=10, max_prompt=9, max_response=6),
+    st.sampled_from([(2, 2), (4, 1), (4, 2)]),
+    st.sampled_from(["prompt", "trie"]),
+)
+def test_sdpa_matches_reference_on_random_batches(batch: PaddedBatch, heads: tuple[int, int], sharing: str) -> None:
+    """Random verl batches planned with prompt or trie sharing (left/right padding, ragged and empty responses,
+    groups of one, non-contiguous group members, identical ids with different masks, partial prompt overlap): fp32
+    outputs, lse and gradients within 1e-5 of the reference."""
+    plan = build_plan(batch.input_ids, batch.response_length, batch.attention_mask, sharing=sharing)  # type: ignore[arg-type]
     assert sdpa_supports(plan) is None
     _check_against_reference(plan, *heads, 16, seed=1)
 

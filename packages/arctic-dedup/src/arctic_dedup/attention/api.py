@@ -322,6 +322,7 @@ def tree_attention(
             reference_scores=reference_scores,
             tree_levels=plan.tree.num_levels,
             lse_needs_grad=needs_grad and return_lse,
+            tokens_per_tree=plan.num_packed_tokens / max(plan.tree.num_trees, 1),
         )
     else:
         assert backend in BACKENDS

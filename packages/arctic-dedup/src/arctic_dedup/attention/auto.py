@@ -9,7 +9,10 @@ import torch
 from arctic_dedup._triton_support import triton_available
 from arctic_dedup.attention.reference import MAX_REFERENCE_SCORES
 
-__all__ = ["BACKENDS", "ConcreteBackend", "TreeAttentionBackend", "choose_backend"]
+__all__ = ["BACKENDS", "SDPA_MIN_TOKENS_PER_TREE", "ConcreteBackend", "TreeAttentionBackend", "choose_backend"]
+
+# On CUDA, ``auto`` takes ``sdpa`` for prompt trees of at least this many packed tokens on average (see below).
+SDPA_MIN_TOKENS_PER_TREE = 4096
 
 TreeAttentionBackend = Literal["auto", "reference", "flex", "triton", "varlen", "sdpa"]
 ConcreteBackend = Literal["reference", "flex", "triton", "varlen", "sdpa"]
@@ -26,16 +29,18 @@ def choose_backend(
     reference_scores: int | None = None,
     tree_levels: int | None = None,
     lse_needs_grad: bool = False,
+    tokens_per_tree: float | None = None,
 ) -> ConcreteBackend:
     """Pick the fastest correct backend for the device and the shape.
 
     "Prompt trees" below means ``tree_levels <= 2`` (each tree is a prompt and its responses: the GRPO/PPO layout,
-    ``sharing="prompt"``), with no sliding window, no softcap and no gradient through the returned lse.
+    ``sharing="prompt"``), with no sliding window, no softcap and no gradient through the returned lse; on CUDA also
+    at least ``SDPA_MIN_TOKENS_PER_TREE`` packed tokens per tree on average (when the caller says).
 
     ============  =====================================================  ============
     device        condition                                              backend
     ============  =====================================================  ============
-    CUDA          bf16/fp16, prompt trees                                ``sdpa``
+    CUDA          bf16/fp16, prompt trees of >= 4096 tokens on average   ``sdpa``
     CUDA          bf16/fp16, other trees, forward only, ``triton``       ``triton``
     CUDA          bf16/fp16, other trees, gradient needed                ``flex``
     CUDA          fp32; or other trees and no ``triton``                 ``flex``
@@ -56,7 +61,10 @@ def choose_backend(
     tiles). On CPU the Triton interpreter is far too slow to be chosen implicitly and FlexAttention's backward is
     refused by torch, so the exact reference wins whenever it fits, then torch's CPU flash kernel behind ``sdpa``.
     ``varlen`` is never chosen automatically: it gathers the queries of every tree level and loses to ``sdpa`` on
-    prompt trees and to the fused backends on tries.
+    prompt trees and to the fused backends on tries. ``sdpa`` issues three attention calls per tree (plus merges),
+    so many small trees are launch-bound there: the 4096-token floor is an estimate (about 0.15 ms of launches per
+    tree and layer against about 1 ms of cuDNN attention for a 4K-token tree), not a measurement yet; all measured
+    cases have 8K-33K tokens per tree.
 
     The dtype does not change the choice otherwise: float64 inputs run only on ``reference``, so on CPU they work
     whenever the reference fits, and wherever another backend is picked ``tree_attention`` refuses them, saying so.
@@ -72,7 +80,7 @@ def choose_backend(
     if query.is_cuda:
         if query.dtype == torch.float32:
             return "flex"
-        if prompt_trees:
+        if prompt_trees and (tokens_per_tree is None or tokens_per_tree >= SDPA_MIN_TOKENS_PER_TREE):
             return "sdpa"
         return "triton" if triton_available() and not needs_grad else "flex"
     num_tokens, num_q_heads = int(query.shape[0]), int(query.shape[1])

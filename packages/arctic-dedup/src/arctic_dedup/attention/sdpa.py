@@ -1,20 +1,24 @@
-"""The ``sdpa`` backend: one-level trees (a prompt and its responses) as dense calls to torch's fused attention
-kernels, merged by log-sum-exp.
+"""The ``sdpa`` backend: the plan's trees as dense calls to torch's fused attention kernels, merged by log-sum-exp.
 
-For every tree of the plan: (A) the prompt's causal self-attention; (B) the queries of all its responses against
-the prompt's keys, one non-causal call, since every response sees the whole prompt; (C) each response's causal
-self-attention, responses of one length in one batched call. B and C merge by log-sum-exp. All three read views of
-the packed stream: no copy of the prompt's K/V per response, and no gather when a tree's responses share a length.
-Ragged responses run C as one FlashAttention-2 varlen call over their own rows on CUDA (C is a few percent of the
-pairs), and as one padded batch on CPU (padded rows are never seen by real ones and carry zero gradient).
-The backward pass gives each part's backward kernel the *merged* output and log-sum-exp, which makes its
-probabilities the global ones, so the parts' gradients are exactly pieces of the full gradient and add up.
+A query sees its own node causally and every ancestor node whole. So the tree splits into dense problems, each one
+call on views of the packed stream (nodes are in preorder, which is the packed order): every node's causal
+self-attention (consecutive nodes without descendant tokens, e.g. the responses of a prompt, in one batched call),
+and for every node with descendants, the queries of all its descendants (contiguous rows) against the node's keys,
+one non-causal call. For the GRPO/PPO layout (a prompt and its responses) that is three calls per tree: (A) the
+prompt, causal; (B) all its responses against the prompt, so the prompt's K/V are read once per tree, not once per
+response; (C) the responses, causal, as a batch: a view when they share a length; ragged ones as one
+FlashAttention-2 varlen call over their rows on CUDA (C is a few percent of the pairs) and a padded batch on CPU
+(padded rows are never seen by real ones and carry zero gradient). Partial results merge by log-sum-exp (in fp32;
+rows merged more than once, in deeper trees, accumulate in fp32 and are rounded once). The backward pass gives
+each call's backward kernel the *merged* output and log-sum-exp, which makes its probabilities the global ones, so
+the calls' gradients are exact pieces of the full gradient and add up.
 
 Kernels: cuDNN's fused attention on CUDA GPUs of compute capability 9.0 or newer (the kernel torch's own
 ``scaled_dot_product_attention`` picks there, and the one the non-deduplicated baseline runs), torch's bundled
-FlashAttention-2 on older CUDA GPUs, and torch's CPU flash kernel on CPU (any float dtype; what the exactness tests
-run). Limits: trees of depth 1 (``plan.tree.num_levels <= 2``: the GRPO/PPO layout; tries of shared prefixes go to
-``flex``/``triton``), no sliding window, no softcap, no gradient through the returned lse.
+FlashAttention-2 on older CUDA GPUs and whenever the backward must be deterministic, and torch's CPU flash kernel on
+CPU (any float dtype; what the exactness tests run). Limits: no sliding window, no softcap, no gradient through the
+returned lse; bf16/fp16 on CUDA. Calls grow with the number of inner nodes, so ``auto`` uses this backend for
+prompt trees (measured) and leaves deeper tries to FlexAttention and Triton.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
 
-__all__ = ["build_sdpa_trees", "sdpa_kernel_name", "sdpa_supports", "sdpa_tree_attention"]
+__all__ = ["build_sdpa_calls", "sdpa_kernel_name", "sdpa_supports", "sdpa_tree_attention"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -174,91 +178,111 @@ def sdpa_kernel_name(device: torch.device) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The plan as one-level trees (host integers, built once per plan).
+# The plan as attention calls (host integers, built once per plan).
 
 
 @dataclass(frozen=True)
-class _Tree:
-    """Packed rows of one tree: the prompt ``[prompt_start, prompt_start + prompt_length)`` then its responses,
-    contiguous from ``responses_start`` (zero-length responses own no rows and are left out)."""
+class _Run:
+    """Causal self-attention of consecutive nodes that have no descendant tokens (sibling responses, or nodes on
+    their own), or of one node that has: rows ``[start, stop)``, one batched call. Equal lengths: a view of the
+    packed stream. Ragged (``padded_rows`` set): FlashAttention-2 varlen over the rows on CUDA (``cu_seqlens``), a
+    padded batch on CPU (``padded_rows`` ``[n, longest]``, padding repeats a node's last row; ``real_positions``:
+    the real rows among the ``n * longest``)."""
 
-    prompt_start: int
-    prompt_length: int
-    responses_start: int
-    response_lengths: tuple[int, ...]
-    # Ragged responses only: [n, longest] packed rows (padding repeats the response's last row) and, for the
-    # [n * longest] padded rows, the flat positions of the real ones in response order.
-    padded_rows: torch.Tensor | None
-    real_positions: torch.Tensor | None
-    # Ragged responses only: int32 offsets of the responses within their rows (FlashAttention varlen on CUDA).
+    start: int
+    lengths: tuple[int, ...]
+    padded_rows: torch.Tensor | None = None
+    real_positions: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
 
     @property
-    def responses_rows(self) -> int:
-        return sum(self.response_lengths)
+    def stop(self) -> int:
+        return self.start + sum(self.lengths)
 
 
-_TREES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+@dataclass(frozen=True)
+class _Cross:
+    """The queries of a node's descendants (rows ``[query_start, query_stop)``, contiguous in preorder) against the
+    node's keys (rows ``[key_start, key_stop)``): one non-causal call, since every descendant sees the whole node."""
+
+    query_start: int
+    query_stop: int
+    key_start: int
+    key_stop: int
+
+
+@dataclass(frozen=True)
+class _Calls:
+    runs: tuple[_Run, ...]
+    crosses: tuple[_Cross, ...]
+    # Cross calls per query row at most (the tree depth): 1 for prompt trees.
+    max_crosses_per_row: int
+
+
+_CALLS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
 def sdpa_supports(plan: Plan) -> str | None:
-    """None when ``backend='sdpa'`` can run this plan, else why not (in words)."""
-    if plan.tree.num_levels > 2:
-        return (
-            f"the plan's trees are {plan.tree.num_levels} levels deep; backend='sdpa' runs prompt + responses trees "
-            "(sharing='prompt', or a trie without nested prefixes). Use backend='flex' or 'triton' for tries."
-        )
+    """None when ``backend='sdpa'`` can run this plan, else why not (in words). Every plan can run: prompt trees
+    take three calls per tree; deeper trees two per inner node plus one per run of leaves."""
+    del plan
     return None
 
 
-def _trees(plan: Plan) -> tuple[_Tree, ...]:
-    cached = _TREES.get(plan.kv_visible_until)
+def _calls(plan: Plan) -> _Calls:
+    cached = _CALLS.get(plan.kv_visible_until)
     if cached is None:
-        cached = _TREES[plan.kv_visible_until] = build_sdpa_trees(plan)
+        cached = _CALLS[plan.kv_visible_until] = build_sdpa_calls(plan)
     return cached  # type: ignore[no-any-return]
 
 
-def build_sdpa_trees(plan: Plan) -> tuple[_Tree, ...]:
-    """The plan's trees as ``backend='sdpa'`` runs them (host integers; one device sync). Uncached: the backend
-    keeps one per plan."""
-    problem = sdpa_supports(plan)
-    if problem is not None:
-        raise NotImplementedError(problem)
+def _make_run(start: int, lengths: list[int], device: torch.device) -> _Run:
+    if len(set(lengths)) == 1:
+        return _Run(start, tuple(lengths))
+    longest = max(lengths)
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)])
+    steps = torch.arange(longest)
+    lengths_tensor = torch.tensor(lengths)
+    padded_rows = start + offsets[:-1, None] + torch.minimum(steps[None, :], lengths_tensor[:, None] - 1)
+    real = (steps[None, :] < lengths_tensor[:, None]).flatten()
+    return _Run(
+        start,
+        tuple(lengths),
+        padded_rows.to(device),
+        torch.nonzero(real).flatten().to(device),
+        offsets.to(torch.int32).to(device),
+    )
+
+
+def build_sdpa_calls(plan: Plan) -> _Calls:
+    """The plan as ``backend='sdpa'`` runs it (host integers; one device sync). Uncached: the backend keeps one per
+    plan. Nodes are in preorder, which is the packed order, so a node's descendants are the rows between its end
+    and its subtree's end, and consecutive nodes are consecutive rows."""
     tree = plan.tree
-    start, length, parent = torch.stack([tree.node_start, tree.node_length, tree.node_parent]).tolist()
+    stacked = torch.stack([tree.node_start, tree.node_length, tree.node_subtree_end, tree.node_depth])
+    start, length, subtree_end, depth = stacked.tolist()
     device = plan.kv_visible_until.device
-    trees: list[_Tree] = []
-    for root in (node for node in range(len(start)) if parent[node] < 0):
-        children = [node for node in range(len(start)) if parent[node] == root and length[node] > 0]
-        responses_start = start[root] + length[root]
-        lengths = tuple(length[child] for child in children)
-        expected = responses_start
-        for child in children:
-            if start[child] != expected:
-                raise NotImplementedError(
-                    "backend='sdpa' needs each tree's responses packed contiguously after their prompt; this plan "
-                    "interleaves them. Use backend='flex' or 'triton'."
-                )
-            expected += length[child]
-        padded_rows = real_positions = cu_seqlens = None
-        if len(set(lengths)) > 1:
-            longest = max(lengths)
-            offsets = torch.tensor([start[child] for child in children])
-            steps = torch.arange(longest)
-            lengths_tensor = torch.tensor(lengths)
-            padded_rows = (offsets[:, None] + torch.minimum(steps[None, :], lengths_tensor[:, None] - 1)).to(device)
-            real = (steps[None, :] < lengths_tensor[:, None]).flatten()
-            real_positions = torch.nonzero(real).flatten().to(device)
-            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
-        trees.append(
-            _Tree(start[root], length[root], responses_start, lengths, padded_rows, real_positions, cu_seqlens)
-        )
-    return tuple(trees)
+    runs: list[_Run] = []
+    crosses: list[_Cross] = []
+    pending: list[int] = []  # consecutive nodes without descendant tokens, batched into one run
 
+    def flush() -> None:
+        if pending:
+            runs.append(_make_run(start[pending[0]], [length[node] for node in pending], device))
+            pending.clear()
 
-# ----------------------------------------------------------------------------------------------------------------
-# Ragged responses on CUDA: part C as one FlashAttention-2 varlen call over the responses' own rows (no padding,
-# no gather; part C is a few percent of the pairs, so FA2's lower rate than cuDNN's does not matter).
+    for node in range(len(start)):
+        if length[node] == 0:
+            continue
+        node_stop = start[node] + length[node]
+        if subtree_end[node] > node_stop:
+            flush()
+            runs.append(_Run(start[node], (length[node],)))
+            crosses.append(_Cross(node_stop, subtree_end[node], start[node], node_stop))
+        else:
+            pending.append(node)
+    flush()
+    return _Calls(tuple(runs), tuple(crosses), max(depth, default=0))
 
 
 def _ragged_own_varlen(device: torch.device) -> bool:
@@ -269,14 +293,6 @@ def _varlen_kernels() -> Any:
     from arctic_dedup.attention.varlen import _TorchFlash
 
     return _TorchFlash
-
-
-def _own_segments(tree: _Tree) -> Any:
-    from arctic_dedup.attention.varlen import _Segments
-
-    assert tree.cu_seqlens is not None
-    longest = max(tree.response_lengths)
-    return _Segments(None, None, tree.cu_seqlens, tree.cu_seqlens, longest, longest, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,34 +309,80 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).flatten(0, 1)
 
 
-@dataclass
-class _Parts:
-    """The three calls of one tree (A prompt, B responses x prompt, C responses x themselves)."""
-
-    prompt: tuple[Any, ...] | None = None
-    cross: tuple[Any, ...] | None = None
-    own: tuple[Any, ...] | None = None
+def _one(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` as one sequence ``[1, H, stop - start, D]``."""
+    return _batch(x, start, 1, stop - start)
 
 
-def _own_inputs(tree: _Tree, x: torch.Tensor) -> torch.Tensor:
-    """Part C's ``[n, H, R, D]`` for ``x`` ``[T, H, D]`` (a view, or a padded gather for ragged responses)."""
-    if tree.padded_rows is None:
-        return _batch(x, tree.responses_start, len(tree.response_lengths), tree.response_lengths[0])
-    return x[tree.padded_rows].transpose(1, 2)
+def _run_inputs(run: _Run, x: torch.Tensor) -> torch.Tensor:
+    """A run's ``[n, H, L, ...]`` batch of ``x`` ``[T, H, ...]``: a view, or the padded gather of a ragged run."""
+    if run.padded_rows is None:
+        return _batch(x, run.start, len(run.lengths), run.lengths[0])
+    return x[run.padded_rows].transpose(1, 2)
 
 
-def _own_rows(tree: _Tree, x: torch.Tensor) -> torch.Tensor:
-    """Part C's ``[n, H, R, ...]`` result back to the responses' packed rows ``[rows, H, ...]``."""
+def _run_rows(run: _Run, x: torch.Tensor) -> torch.Tensor:
+    """A run's ``[n, H, L, ...]`` result back to its packed rows ``[rows, H, ...]``."""
     rows = _rows(x)
-    return rows if tree.real_positions is None else rows[tree.real_positions]
+    return rows if run.real_positions is None else rows[run.real_positions]
 
 
-def _own_scatter(tree: _Tree, x: torch.Tensor, target: torch.Tensor) -> None:
-    """Add part C's key/value gradient ``[n, H, R, D]`` into the packed ``target`` rows."""
-    if tree.padded_rows is None:
-        target[tree.responses_start : tree.responses_start + tree.responses_rows] += _rows(x)
+def _run_varlen(run: _Run, device: torch.device) -> bool:
+    return run.padded_rows is not None and _ragged_own_varlen(device)
+
+
+def _run_segments(run: _Run) -> Any:
+    from arctic_dedup.attention.varlen import _Segments
+
+    assert run.cu_seqlens is not None
+    longest = max(run.lengths)
+    return _Segments(None, None, run.cu_seqlens, run.cu_seqlens, longest, longest, True)
+
+
+def _run_forward(
+    run: _Run, kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
+    """(out rows ``[rows, H, D]``, lse rows ``[rows, H]`` fp32, kernel state) of a run's causal self-attention."""
+    if _run_varlen(run, query.device):
+        rows = [x[run.start : run.stop].contiguous() for x in (query, key, value)]
+        out, lse, state = _varlen_kernels().forward(*rows, _run_segments(run), scale)
+        return out, lse.t().float(), state
+    out, lse, state = kernel.forward(
+        _run_inputs(run, query), _run_inputs(run, key), _run_inputs(run, value), True, scale
+    )
+    return _run_rows(run, out), _run_rows(run, lse).float(), state
+
+
+def _run_backward(
+    run: _Run, kernel: _Kernel, saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, scale: float, state: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A run's (dq, dk, dv) rows ``[rows, H, D]`` (its rows only: a run's keys are its own rows)."""
+    query, key, value, out, lse = saved
+    r0, r1 = run.start, run.stop
+    if _run_varlen(run, query.device):
+        tensors = [x[r0:r1].contiguous() for x in (grad_out, query, key, value, out)]
+        dq, dk, dv = _varlen_kernels().backward(*tensors, lse[r0:r1].t().contiguous(), _run_segments(run), scale, state)
+        return dq, dk, dv
+    if run.padded_rows is None:
+        lse_run = _batch(lse.unsqueeze(-1), r0, len(run.lengths), run.lengths[0]).squeeze(-1).contiguous()
+        grad_run = _run_inputs(run, grad_out)
     else:
-        target.index_add_(0, tree.padded_rows.flatten(), _rows(x))
+        lse_run = lse[run.padded_rows].transpose(1, 2).contiguous()
+        grad_run = _run_inputs(run, grad_out)
+        # Padded query rows: zero upstream gradient, so they add nothing to any gradient.
+        padding = torch.ones(grad_run.shape[0] * grad_run.shape[2], dtype=torch.bool, device=query.device)
+        padding[run.real_positions] = False
+        grad_run = grad_run.masked_fill(padding.view(grad_run.shape[0], 1, -1, 1), 0)
+    g_q, g_k, g_v = kernel.backward(
+        grad_run, _run_inputs(run, query), _run_inputs(run, key), _run_inputs(run, value), _run_inputs(run, out),
+        lse_run, True, scale, state,
+    )  # fmt: skip
+    if run.padded_rows is None:
+        return _rows(g_q), _rows(g_k), _rows(g_v)
+    flat = run.padded_rows.flatten() - r0
+    dk = torch.zeros((r1 - r0, *key.shape[1:]), dtype=g_k.dtype, device=key.device).index_add_(0, flat, _rows(g_k))
+    dv = torch.zeros((r1 - r0, *value.shape[1:]), dtype=g_v.dtype, device=value.device).index_add_(0, flat, _rows(g_v))
+    return _run_rows(run, g_q), dk, dv
 
 
 def _merge_eager(
@@ -359,43 +421,6 @@ def _merge(
         return _merge_eager(out_a, lse_a, out_b, lse_b)
 
 
-def _own_backward(
-    tree: _Tree,
-    kernel: _Kernel,
-    ctx: Any,
-    state: tuple[Any, ...],
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-) -> torch.Tensor:
-    """Part C's backward through the dense kernel (views, or the padded batch); adds into dk/dv, returns the
-    responses' dq rows."""
-    r0 = tree.responses_start
-    if tree.padded_rows is None:
-        lse_own = _batch(lse.unsqueeze(-1), r0, len(tree.response_lengths), tree.response_lengths[0])
-        lse_own = lse_own.squeeze(-1).contiguous()
-    else:
-        lse_own = lse[tree.padded_rows].transpose(1, 2).contiguous()
-    grad_own = _own_inputs(tree, grad_out)
-    if tree.padded_rows is not None:
-        # Padded query rows: zero upstream gradient, so they add nothing to any gradient.
-        padding = torch.ones(grad_own.shape[0] * grad_own.shape[2], dtype=torch.bool, device=query.device)
-        padding[tree.real_positions] = False
-        grad_own = grad_own.masked_fill(padding.view(grad_own.shape[0], 1, -1, 1), 0)
-    g_q, g_k, g_v = kernel.backward(
-        grad_own, _own_inputs(tree, query), _own_inputs(tree, key), _own_inputs(tree, value),
-        _own_inputs(tree, out), lse_own, True, ctx.scale, state,
-    )  # fmt: skip
-    _own_scatter(tree, g_k, dk)
-    _own_scatter(tree, g_v, dv)
-    return _own_rows(tree, g_q)
-
-
 class _SdpaTreeAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -408,46 +433,30 @@ class _SdpaTreeAttention(torch.autograd.Function):
         deterministic: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kernel = _kernel_for(query.device, deterministic)
-        trees = _trees(plan)
+        calls = _calls(plan)
         out = torch.empty_like(query)
+        # Rows merged more than once (trees deeper than prompt + responses) accumulate in fp32, rounded once.
+        target = out if calls.max_crosses_per_row <= 1 else torch.empty_like(query, dtype=torch.float32)
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-        states: list[_Parts] = []
-        for tree in trees:
-            parts = _Parts()
-            p0, p1 = tree.prompt_start, tree.prompt_start + tree.prompt_length
-            if tree.prompt_length:
-                o, s, parts.prompt = kernel.forward(
-                    _batch(query, p0, 1, p1 - p0), _batch(key, p0, 1, p1 - p0), _batch(value, p0, 1, p1 - p0),
-                    True, scale,
-                )  # fmt: skip
-                out[p0:p1] = _rows(o)
-                lse[p0:p1] = _rows(s)
-            if tree.response_lengths:
-                r0, r1 = tree.responses_start, tree.responses_start + tree.responses_rows
-                if tree.padded_rows is not None and _ragged_own_varlen(query.device):
-                    o_own, s_own, parts.own = _varlen_kernels().forward(
-                        *(x[r0:r1].contiguous() for x in (query, key, value)), _own_segments(tree), scale
-                    )
-                    s_own = s_own.t().float()
-                else:
-                    o_own, s_own, parts.own = kernel.forward(
-                        _own_inputs(tree, query), _own_inputs(tree, key), _own_inputs(tree, value), True, scale
-                    )
-                    o_own, s_own = _own_rows(tree, o_own), _own_rows(tree, s_own).float()
-                if tree.prompt_length:
-                    o_cross, s_cross, parts.cross = kernel.forward(
-                        _batch(query, r0, 1, r1 - r0), _batch(key, p0, 1, p1 - p0), _batch(value, p0, 1, p1 - p0),
-                        False, scale,
-                    )  # fmt: skip
-                    merged, total = _merge(_rows(o_cross), _rows(s_cross), o_own, s_own)
-                    out[r0:r1] = merged
-                    lse[r0:r1] = total
-                else:
-                    out[r0:r1] = o_own
-                    lse[r0:r1] = s_own
-            states.append(parts)
+        run_states: list[Any] = []
+        for run in calls.runs:  # every row belongs to exactly one run
+            rows_out, rows_lse, state = _run_forward(run, kernel, query, key, value, scale)
+            target[run.start : run.stop] = rows_out
+            lse[run.start : run.stop] = rows_lse
+            run_states.append(state)
+        cross_states: list[Any] = []
+        for cross in calls.crosses:
+            q0, q1, k0, k1 = cross.query_start, cross.query_stop, cross.key_start, cross.key_stop
+            o, s, state = kernel.forward(_one(query, q0, q1), _one(key, k0, k1), _one(value, k0, k1), False, scale)
+            merged, total = _merge(target[q0:q1], lse[q0:q1], _rows(o), _rows(s))
+            target[q0:q1] = merged
+            lse[q0:q1] = total
+            cross_states.append(state)
+        if target is not out:
+            out.copy_(target)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.plan, ctx.scale, ctx.states, ctx.kernel, ctx.deterministic = plan, scale, states, kernel, deterministic
+        ctx.plan, ctx.scale, ctx.kernel, ctx.deterministic = plan, scale, kernel, deterministic
+        ctx.run_states, ctx.cross_states = run_states, cross_states
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -468,54 +477,26 @@ class _SdpaTreeAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse = ctx.saved_tensors
-        kernel = ctx.kernel
+        saved = tuple(ctx.saved_tensors)
+        query, key, value, out, lse = saved
+        kernel, calls = ctx.kernel, _calls(ctx.plan)
         grad_out = grad_out.contiguous()
-        dq = torch.empty_like(query)
-        dk = torch.zeros_like(key)
-        dv = torch.zeros_like(value)
-        for tree, parts in zip(_trees(ctx.plan), ctx.states):
-            p0, p1 = tree.prompt_start, tree.prompt_start + tree.prompt_length
-
-            def batch(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-                return _batch(x, start, 1, stop - start)
-
-            def batch_lse(start: int, stop: int) -> torch.Tensor:
-                return lse[start:stop].t().unsqueeze(0).contiguous()
-
-            if tree.prompt_length:
-                g_q, g_k, g_v = kernel.backward(
-                    batch(grad_out, p0, p1), batch(query, p0, p1), batch(key, p0, p1), batch(value, p0, p1),
-                    batch(out, p0, p1), batch_lse(p0, p1), True, ctx.scale, parts.prompt,
-                )  # fmt: skip
-                dq[p0:p1] = _rows(g_q)
-                dk[p0:p1] += _rows(g_k)
-                dv[p0:p1] += _rows(g_v)
-            if not tree.response_lengths:
-                continue
-            r0, r1 = tree.responses_start, tree.responses_start + tree.responses_rows
-            if tree.padded_rows is not None and _ragged_own_varlen(query.device):
-                g_q, g_k, g_v = _varlen_kernels().backward(
-                    *(x[r0:r1].contiguous() for x in (grad_out, query, key, value, out)),
-                    lse[r0:r1].t().contiguous(), _own_segments(tree), ctx.scale, parts.own,
-                )  # fmt: skip
-                dq_responses = g_q
-                dk[r0:r1] += g_k
-                dv[r0:r1] += g_v
-            else:
-                dq_responses = _own_backward(
-                    tree, kernel, ctx, parts.own, grad_out, query, key, value, out, lse, dk, dv
-                )
-            if tree.prompt_length:
-                g_q, g_k, g_v = kernel.backward(
-                    batch(grad_out, r0, r1), batch(query, r0, r1), batch(key, p0, p1), batch(value, p0, p1),
-                    batch(out, r0, r1), batch_lse(r0, r1), False, ctx.scale, parts.cross,
-                )  # fmt: skip
-                torch.add(dq_responses, _rows(g_q), out=dq[r0:r1])
-                dk[p0:p1] += _rows(g_k)
-                dv[p0:p1] += _rows(g_v)
-            else:
-                dq[r0:r1] = dq_responses
+        # Each run writes its own rows first (the runs cover every row once); the cross calls then add.
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        for run, state in zip(calls.runs, ctx.run_states):
+            g_q, g_k, g_v = _run_backward(run, kernel, saved, grad_out, ctx.scale, state)
+            dq[run.start : run.stop] = g_q
+            dk[run.start : run.stop] = g_k
+            dv[run.start : run.stop] = g_v
+        for cross, state in zip(calls.crosses, ctx.cross_states):
+            q0, q1, k0, k1 = cross.query_start, cross.query_stop, cross.key_start, cross.key_stop
+            g_q, g_k, g_v = kernel.backward(
+                _one(grad_out, q0, q1), _one(query, q0, q1), _one(key, k0, k1), _one(value, k0, k1),
+                _one(out, q0, q1), lse[q0:q1].t().unsqueeze(0).contiguous(), False, ctx.scale, state,
+            )  # fmt: skip
+            dq[q0:q1] += _rows(g_q)
+            dk[k0:k1] += _rows(g_k)
+            dv[k0:k1] += _rows(g_v)
         return dq, dk, dv, None, None, None
 
 
