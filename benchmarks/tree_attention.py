@@ -161,6 +161,45 @@ def performance_layouts(quick: bool) -> dict[str, SampleLayout]:
     return layouts
 
 
+def sdpa_rule_layouts() -> dict[str, SampleLayout]:
+    """Shapes that decide auto's rule for ``sdpa``: many small prompt trees, trees at the 4096-token floor, a trie."""
+    return {
+        "G64_P512_R8x128": _layout([512] * 64, [[128] * 8] * 64, seed=5),
+        "G16_P2048_R8x256": _layout([2048] * 16, [[256] * 8] * 16, seed=6),
+        "G4_P8192_R16x512": _layout([8192] * 4, [[512] * 16] * 4, seed=7),
+        "trie_x256": _deep_layout(256, seed=8),
+    }
+
+
+def section_sdpa_rule(run: Run) -> None:
+    """sdpa against FlexAttention (and Triton) forward+backward on ``sdpa_rule_layouts``, plus the tokens per tree."""
+    configs = Configs(
+        default_triton_config(HEAD_DIM, torch.device(DEVICE)), default_triton_config(HEAD_DIM, torch.device(DEVICE))
+    )
+    backends = _backends(configs)
+    for shape, layout in sdpa_rule_layouts().items():
+        plan = build_plan_from_layout(layout, sharing="trie" if shape.startswith("trie") else "prompt")
+        tensors = _inputs(plan, seed=13)
+        base = {
+            "section": "sdpa_rule",
+            "shape": shape,
+            "tokens": plan.num_packed_tokens,
+            "trees": plan.tree.num_trees,
+            "levels": plan.tree.num_levels,
+            "tokens_per_tree": plan.num_packed_tokens / plan.tree.num_trees,
+            "pairs": useful_pairs(plan),
+        }
+        for backend in ("flex", "sdpa", "triton_atomic_dq"):
+            measure = functools.partial(_measure_row, run, base, backends[backend], plan, tensors, 5, backend)
+            run.attempt(f"sdpa rule {shape} {backend}", measure, need_s=45 if backend == "flex" else 15)
+        rows = {row["backend"]: row for row in run.rows if row.get("shape") == shape and "fwd_bwd_ms" in row}
+        if "flex" in rows and "sdpa" in rows:
+            run.summary.setdefault("sdpa_vs_flex_fwdbwd", {})[shape] = (
+                rows["flex"]["fwd_bwd_ms"] / rows["sdpa"]["fwd_bwd_ms"]
+            )
+        run.save()
+
+
 def useful_pairs(plan: Plan) -> int:
     until = plan.kv_visible_until.long()
     return int((until - torch.arange(until.numel(), device=until.device)).sum())
@@ -1010,12 +1049,26 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new work after this long")
     parser.add_argument("--bwd-sweep", action="store_true", help="only the backward variants (about 3 minutes)")
     parser.add_argument("--compile-report", action="store_true", help="no GPU: sm_90 registers of the variants")
+    parser.add_argument(
+        "--sdpa-rule", action="store_true", help="only sdpa vs Flex on many-tree and trie shapes (about 3 minutes)"
+    )
     args = parser.parse_args()
     if args.compile_report:
         compile_report()
         return
     if not torch.cuda.is_available():
         print("tree_attention: needs a CUDA GPU; nothing measured.")
+        return
+    if args.sdpa_rule:
+        rule_run = Run(args.out, min(args.budget_s, 200.0), name=f"{NAME}_sdpa_rule")
+        rule_run.summary["flop_formula"] = FORMULA
+        rule_run.attempt("sdpa rule", lambda: section_sdpa_rule(rule_run))
+        rule_run.save()
+        rows = [row for row in rule_run.rows if "fwd_bwd_ms" in row]
+        print_table(
+            rows, ["shape", "tokens_per_tree", "backend", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_useful_tflops"]
+        )
+        print(rule_run.summary.get("sdpa_vs_flex_fwdbwd"), f"errors: {len(rule_run.errors)}")
         return
     if args.bwd_sweep:
         # Under four minutes in all: no new variant starts after 225 s (each takes about 10-15 s with compilation).

@@ -20,6 +20,7 @@
 #   zorro-profile  kernels by category for one dedup step                (~1.5 min)
 #   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
 #   tree-quick     its correctness section and the first shape            (~2 min)
+#   tree-sdpa-rule sdpa vs Flex on many small trees, 4K-token trees and a trie (auto's rule)  (~3 min)
 #   tree-sweep     tree-attention backward variants                      (~2 min)
 #   fca-decode     the forest decode benchmark                           (~3 min)
 #   fca-diagnose   forest decode diagnosis                               (~3 min)
@@ -69,6 +70,7 @@ for stage in "$@"; do
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
     tree-quick) run tree_quick 200 python3 benchmarks/tree_attention.py --quick --budget-s 170 --out "$out" ;;
+    tree-sdpa-rule) run tree_sdpa_rule 240 python3 benchmarks/tree_attention.py --sdpa-rule --out "$out" ;;
     fca-decode) run fca_decode 240 python3 benchmarks/fca_decode.py --out "$out" ;;
     tree-sweep) run tree_sweep 240 python3 benchmarks/tree_attention.py --bwd-sweep --out "$out" ;;
     fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" ;;
