@@ -172,7 +172,7 @@ def sdpa_rule_layouts() -> dict[str, SampleLayout]:
 
 
 def section_sdpa_rule(run: Run) -> None:
-    """sdpa against FlexAttention (and Triton) forward+backward on ``sdpa_rule_layouts``, plus the tokens per tree."""
+    """sdpa against FlexAttention (and varlen, Triton) forward+backward on ``sdpa_rule_layouts``, with tokens per tree."""
     configs = Configs(
         default_triton_config(HEAD_DIM, torch.device(DEVICE)), default_triton_config(HEAD_DIM, torch.device(DEVICE))
     )
@@ -189,7 +189,7 @@ def section_sdpa_rule(run: Run) -> None:
             "tokens_per_tree": plan.num_packed_tokens / plan.tree.num_trees,
             "pairs": useful_pairs(plan),
         }
-        for backend in ("flex", "sdpa", "triton_atomic_dq"):
+        for backend in ("flex", "sdpa", "varlen", "triton_atomic_dq"):
             measure = functools.partial(_measure_row, run, base, backends[backend], plan, tensors, 5, backend)
             run.attempt(f"sdpa rule {shape} {backend}", measure, need_s=45 if backend == "flex" else 15)
         rows = {row["backend"]: row for row in run.rows if row.get("shape") == shape and "fwd_bwd_ms" in row}
