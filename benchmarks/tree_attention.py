@@ -172,7 +172,7 @@ def sdpa_rule_layouts() -> dict[str, SampleLayout]:
 
 
 def section_sdpa_rule(run: Run) -> None:
-    """sdpa against FlexAttention (and varlen, Triton) forward+backward on ``sdpa_rule_layouts``, with tokens per tree."""
+    """sdpa against FlexAttention, varlen and Triton, forward+backward, on ``sdpa_rule_layouts``."""
     configs = Configs(
         default_triton_config(HEAD_DIM, torch.device(DEVICE)), default_triton_config(HEAD_DIM, torch.device(DEVICE))
     )
