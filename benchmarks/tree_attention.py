@@ -62,7 +62,7 @@ from arctic_dedup.attention._launch import (
 from arctic_dedup.attention._tables import build_kernel_tables
 from arctic_dedup.attention.auto import TreeAttentionBackend
 from arctic_dedup.attention.function import triton_tree_attention
-from arctic_dedup.attention.sdpa import build_sdpa_calls, sdpa_supports
+from arctic_dedup.attention.sdpa import build_sdpa_calls
 from arctic_dedup.attention_meta import block_sparsity
 from arctic_dedup.layout import SampleLayout
 
@@ -173,9 +173,8 @@ def sdpa_rule_layouts() -> dict[str, SampleLayout]:
 
 def section_sdpa_rule(run: Run) -> None:
     """sdpa against FlexAttention, varlen and Triton, forward+backward, on ``sdpa_rule_layouts``."""
-    configs = Configs(
-        default_triton_config(HEAD_DIM, torch.device(DEVICE)), default_triton_config(HEAD_DIM, torch.device(DEVICE))
-    )
+    default = default_triton_config(HEAD_DIM, torch.device(DEVICE))
+    configs = Configs(default, default)
     backends = _backends(configs)
     for shape, layout in sdpa_rule_layouts().items():
         plan = build_plan_from_layout(layout, sharing="trie" if shape.startswith("trie") else "prompt")
@@ -306,8 +305,6 @@ def _correctness_case(run: Run, configs: Configs, case: str, plan: Plan) -> None
     exact, noise = pair
     noise_errors = [_relative_error(x, y) for x, y in zip([noise[0], *noise[2]], [exact[0], *exact[2]])]
     for backend, make in _backends(configs).items():
-        if backend == "sdpa" and sdpa_supports(plan) is not None:
-            continue  # prompt + responses trees only (the deep trie is not one)
         check = functools.partial(_check_backend, run, case, plan, (q, k, v, grad), exact, noise_errors, backend, make)
         run.attempt(f"correctness {case} {backend}", check, need_s=20)
 

@@ -701,7 +701,8 @@ def _best_seconds(rows: list[dict[str, Any]], section: str, run: str) -> float:
 def merge_previous(path: Path, rows: list[dict[str, Any]], sections: Sequence[str]) -> list[dict[str, Any]]:
     """Keep the rows of sections not re-run in this call, so sections can run in separate device calls. Every row
     carries ``measured`` (the commit and date of the run that produced it)."""
-    stamp = {key: run_metadata()[key] for key in ("commit", "date")}
+    meta = run_metadata()
+    stamp = {key: meta[key] for key in ("commit", "date")}
     rows = [{**row, "measured": row.get("measured", stamp)} for row in rows]
     if not path.exists():
         return rows

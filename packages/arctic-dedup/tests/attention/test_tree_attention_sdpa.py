@@ -13,7 +13,7 @@ from tree_attention_cases import deep_trie_plan, make_inputs, prompt_groups_plan
 
 from arctic_dedup import Plan, build_plan
 from arctic_dedup.attention import tree_attention
-from arctic_dedup.attention.sdpa import sdpa_kernel_name, sdpa_supports
+from arctic_dedup.attention.sdpa import sdpa_kernel_name
 
 PLANS = {
     "equal_responses": lambda: prompt_groups_plan([37], [[9, 9, 9, 9]]),
@@ -54,7 +54,6 @@ def test_sdpa_head_dim_64_and_reused_plan() -> None:
 
 def test_sdpa_refuses_what_it_cannot_run() -> None:
     plan = PLANS["equal_responses"]()
-    assert sdpa_supports(plan) is None
     q, k, v = make_inputs(plan, 2, 2, 16)
     with pytest.raises(NotImplementedError, match="sliding_window"):
         tree_attention(q, k, v, plan, backend="sdpa", sliding_window=4)
@@ -131,7 +130,7 @@ def test_sdpa_ragged_varlen_path_matches_reference(name: str, monkeypatch: pytes
 
     from arctic_dedup.attention import sdpa
 
-    monkeypatch.setattr(sdpa, "_ragged_own_varlen", lambda device: True)
+    monkeypatch.setattr(sdpa, "_ragged_runs_use_varlen", lambda device: True)
     monkeypatch.setattr(sdpa, "_varlen_kernels", lambda: DenseVarlenKernels)
     for heads in ((4, 4), (8, 2)):
         _check_against_reference(PLANS[name](), *heads, 16, seed=5)
@@ -163,7 +162,6 @@ def test_sdpa_matches_reference_on_random_batches(batch: PaddedBatch, heads: tup
     groups of one, non-contiguous group members, identical ids with different masks, partial prompt overlap): fp32
     outputs, lse and gradients within 1e-5 of the reference."""
     plan = build_plan(batch.input_ids, batch.response_length, batch.attention_mask, sharing=sharing)  # type: ignore[arg-type]
-    assert sdpa_supports(plan) is None
     _check_against_reference(plan, *heads, 16, seed=1)
 
 

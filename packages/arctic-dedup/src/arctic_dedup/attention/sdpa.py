@@ -37,7 +37,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
 
-__all__ = ["build_sdpa_calls", "sdpa_kernel_name", "sdpa_supports", "sdpa_tree_attention"]
+__all__ = ["build_sdpa_calls", "sdpa_kernel_name", "sdpa_tree_attention"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,9 +185,9 @@ def sdpa_kernel_name(device: torch.device) -> str:
 class _Run:
     """Causal self-attention of consecutive nodes that have no descendant tokens (sibling responses, or nodes on
     their own), or of one node that has: rows ``[start, stop)``, one batched call. Equal lengths: a view of the
-    packed stream. Ragged (``padded_rows`` set): FlashAttention-2 varlen over the rows on CUDA (``cu_seqlens``), a
-    padded batch on CPU (``padded_rows`` ``[n, longest]``, padding repeats a node's last row; ``real_positions``:
-    the real rows among the ``n * longest``)."""
+    packed stream. Ragged: FlashAttention-2 varlen over the rows on CUDA (``cu_seqlens`` set), a padded batch
+    elsewhere (``padded_rows`` ``[n, longest]``, padding repeats a node's last row; ``real_positions``: the real
+    rows among the ``n * longest``)."""
 
     start: int
     lengths: tuple[int, ...]
@@ -222,13 +222,6 @@ class _Calls:
 _CALLS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
-def sdpa_supports(plan: Plan) -> str | None:
-    """None when ``backend='sdpa'`` can run this plan, else why not (in words). Every plan can run: prompt trees
-    take three calls per tree; deeper trees two per inner node plus one per run of leaves."""
-    del plan
-    return None
-
-
 def _calls(plan: Plan) -> _Calls:
     cached = _CALLS.get(plan.kv_visible_until)
     if cached is None:
@@ -239,19 +232,14 @@ def _calls(plan: Plan) -> _Calls:
 def _make_run(start: int, lengths: list[int], device: torch.device) -> _Run:
     if len(set(lengths)) == 1:
         return _Run(start, tuple(lengths))
-    longest = max(lengths)
     offsets = torch.tensor([0, *itertools.accumulate(lengths)])
-    steps = torch.arange(longest)
+    if _ragged_runs_use_varlen(device):
+        return _Run(start, tuple(lengths), cu_seqlens=offsets.to(torch.int32).to(device))
+    steps = torch.arange(max(lengths))
     lengths_tensor = torch.tensor(lengths)
     padded_rows = start + offsets[:-1, None] + torch.minimum(steps[None, :], lengths_tensor[:, None] - 1)
     real = (steps[None, :] < lengths_tensor[:, None]).flatten()
-    return _Run(
-        start,
-        tuple(lengths),
-        padded_rows.to(device),
-        torch.nonzero(real).flatten().to(device),
-        offsets.to(torch.int32).to(device),
-    )
+    return _Run(start, tuple(lengths), padded_rows.to(device), torch.nonzero(real).flatten().to(device))
 
 
 def build_sdpa_calls(plan: Plan) -> _Calls:
@@ -285,7 +273,8 @@ def build_sdpa_calls(plan: Plan) -> _Calls:
     return _Calls(tuple(runs), tuple(crosses), max(depth, default=0))
 
 
-def _ragged_own_varlen(device: torch.device) -> bool:
+def _ragged_runs_use_varlen(device: torch.device) -> bool:
+    """Ragged runs on CUDA take FlashAttention-2 varlen (no padding, no gather); torch has no CPU varlen kernel."""
     return device.type == "cuda"
 
 
@@ -327,10 +316,6 @@ def _run_rows(run: _Run, x: torch.Tensor) -> torch.Tensor:
     return rows if run.real_positions is None else rows[run.real_positions]
 
 
-def _run_varlen(run: _Run, device: torch.device) -> bool:
-    return run.padded_rows is not None and _ragged_own_varlen(device)
-
-
 def _run_segments(run: _Run) -> Any:
     from arctic_dedup.attention.varlen import _Segments
 
@@ -343,7 +328,7 @@ def _run_forward(
     run: _Run, kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
     """(out rows ``[rows, H, D]``, lse rows ``[rows, H]`` fp32, kernel state) of a run's causal self-attention."""
-    if _run_varlen(run, query.device):
+    if run.cu_seqlens is not None:
         rows = [x[run.start : run.stop].contiguous() for x in (query, key, value)]
         out, lse, state = _varlen_kernels().forward(*rows, _run_segments(run), scale)
         return out, lse.t().float(), state
@@ -359,16 +344,15 @@ def _run_backward(
     """A run's (dq, dk, dv) rows ``[rows, H, D]`` (its rows only: a run's keys are its own rows)."""
     query, key, value, out, lse = saved
     r0, r1 = run.start, run.stop
-    if _run_varlen(run, query.device):
+    if run.cu_seqlens is not None:
         tensors = [x[r0:r1].contiguous() for x in (grad_out, query, key, value, out)]
         dq, dk, dv = _varlen_kernels().backward(*tensors, lse[r0:r1].t().contiguous(), _run_segments(run), scale, state)
         return dq, dk, dv
+    grad_run = _run_inputs(run, grad_out)
     if run.padded_rows is None:
         lse_run = _batch(lse.unsqueeze(-1), r0, len(run.lengths), run.lengths[0]).squeeze(-1).contiguous()
-        grad_run = _run_inputs(run, grad_out)
     else:
         lse_run = lse[run.padded_rows].transpose(1, 2).contiguous()
-        grad_run = _run_inputs(run, grad_out)
         # Padded query rows: zero upstream gradient, so they add nothing to any gradient.
         padding = torch.ones(grad_run.shape[0] * grad_run.shape[2], dtype=torch.bool, device=query.device)
         padding[run.real_positions] = False
@@ -524,8 +508,5 @@ def sdpa_tree_attention(
             f"backend='sdpa' on CUDA (cuDNN / FlashAttention-2 kernels) takes float16 or bfloat16, got {query.dtype}; "
             "use backend='flex' or 'triton' for float32."
         )
-    problem = sdpa_supports(plan)
-    if problem is not None:
-        raise NotImplementedError(problem)
     result: tuple[torch.Tensor, torch.Tensor] = _SdpaTreeAttention.apply(query, key, value, plan, scale, deterministic)
     return result
