@@ -723,6 +723,17 @@ def merge_previous(path: Path, rows: list[dict[str, Any]], sections: Sequence[st
     return kept + rows
 
 
+def _speed_label(summary: dict[str, Any]) -> str:
+    """A section's tick label with what qualifies its speedup: the baseline's MFU (a speedup over a baseline under 50%
+    MFU is not reported) and whether the run only timed kernels whose values were not trusted."""
+    label = f"{summary['section']}\nbaseline {summary['baseline_mfu']:.0%} MFU"
+    if summary["baseline_mfu"] < 0.5:
+        label += " (< 50%:\nnot a reported speedup)"
+    if summary.get("timing_only"):
+        label += "\ntiming only (fla #640)"
+    return label
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     """Left: measured speedup and FLOP bound per section (dense, ragged, hybrid); middle: peak memory at equal group
     size; right: the dedup-ratio sweep against its bounds (each panel only when its section ran)."""
@@ -750,7 +761,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         speed_axis.bar([p + 0.2 for p in positions], [row["flop_bound"] for row in summaries], 0.4, label="FLOP bound")
         for position, row in zip(positions, summaries, strict=True):
             speed_axis.text(position - 0.2, row["speedup"], f"{row['speedup']:.2f}x", ha="center", va="bottom")
-        speed_axis.set_xticks(list(positions), names)
+        speed_axis.set_xticks(list(positions), [_speed_label(row) for row in summaries], fontsize=8)
         speed_axis.set_ylabel("fwd+bwd speedup over non-dedup")
         speed_axis.legend(fontsize=8)
     speed_axis.set_title("Qwen3-4B shape, P=8192, 16 responses", fontsize=9)
