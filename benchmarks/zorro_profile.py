@@ -4,7 +4,12 @@ Profiles one warm step of the deduplicated run (Qwen3-4B shape, P=8192, G=16, R=
 given) and of the plain transformers + SDPA baseline over a few of the same samples, so the two can be compared per
 category (matrix multiplies, attention, fused elementwise, copies, pack/unpack, the rest) and per useful FLOP.
 
+With ``--model hybrid`` it profiles the Qwen3.5-like hybrid instead (full recompute in both runs, since the dedup
+stream does not fit without it; the baseline is the packed path without sharing, as in zorro_train.py), with the
+Gated DeltaNet kernels as a category of their own.
+
 Run on the H200:  python benchmarks/zorro_profile.py --out "$OUT"   (about a minute)
+                  python benchmarks/zorro_profile.py --model hybrid --time-despite-fla-640 --out "$OUT"
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import default_out_dir, run_metadata
 from zorro_train import (
+    FLA_640_NOTE,
     PEAK_TFLOPS,
     Options,
+    _bypass_fla_640_guard,
     _cost_row,
+    baseline_step,
     build_model,
     dedup_step,
     group_batch,
@@ -34,6 +42,21 @@ from zorro_train import (
 
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pack/unpack", ("gather_rows", "segment_sum_rows", "scatter_copies")),
+    # fla's kernels (chunk_gated_delta_rule_*, chunk_fwd_kernel_o, wy/solve_tril, l2norm, cumsum) and the conv
+    (
+        "gated delta",
+        (
+            "gated_delta",
+            "chunk_fwd_kernel",
+            "chunk_bwd_kernel",
+            "wy_repr",
+            "recompute_w_u",
+            "solve_tril",
+            "l2norm",
+            "chunk_local_cumsum",
+            "conv",
+        ),
+    ),
     ("attention", ("flex", "triton_tem", "fmha", "flash", "attn", "tree_", "cudnn")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "wgmma")),
     ("inductor fused", ("triton_",)),
@@ -94,12 +117,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=default_out_dir())
     parser.add_argument("--backend", default="flex")
     parser.add_argument("--baseline-samples", type=int, default=2)
+    parser.add_argument("--model", choices=["dense", "hybrid"], default="dense")
+    parser.add_argument(
+        "--time-despite-fla-640",
+        action="store_true",
+        help="hybrid: profile fla's gated kernels even where fla refuses them as miscompiled (timing only)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("zorro_profile: needs a CUDA GPU; nothing measured.")
         return
     options = Options(device=torch.device("cuda"), repeats=1, quick=True, smoke=False)
-    model = build_model("dense", options)
+    hybrid = args.model == "hybrid"
+    timing_only = hybrid and args.time_despite_fla_640 and _bypass_fla_640_guard()
+    model = build_model(args.model, options)
+    if hybrid:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     prompts, responses = [8192], [[512] * 16]
     batch = group_batch(prompts, responses, model.config.vocab_size, options.device)
     cost, _ = _cost_row(model, prompts, responses)
@@ -107,15 +140,27 @@ def main() -> None:
     dedup["tflops"] = cost.flops_dedup / dedup["wall_ms"] / 1e9
     dedup["mfu"] = dedup["tflops"] / PEAK_TFLOPS
     few = args.baseline_samples
-    baseline = profile_step(hf_sdpa_step(model, select_samples(batch, list(range(few)))), model)
+    samples = select_samples(batch, list(range(few)))
+    baseline_run = baseline_step(model, samples, "sdpa", 1) if hybrid else hf_sdpa_step(model, samples)
+    baseline = profile_step(baseline_run, model)
     baseline["scaled_to_samples"] = 16
     baseline["tflops"] = cost.flops_base * few / 16 / baseline["wall_ms"] / 1e9
     baseline["mfu"] = baseline["tflops"] / PEAK_TFLOPS
-    results = {"meta": run_metadata(), "backend": args.backend, "dedup": dedup, f"baseline_{few}_samples": baseline}
+    results: dict[str, Any] = {
+        "meta": run_metadata(),
+        "model": args.model,
+        "recompute": "full" if hybrid else "none",
+        "backend": args.backend,
+        "dedup": dedup,
+        f"baseline_{few}_samples": baseline,
+    }
+    if timing_only:
+        results["timing_only"] = FLA_640_NOTE
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "zorro_profile.json"
+    path = args.out / ("zorro_profile_hybrid.json" if hybrid else "zorro_profile.json")
     path.write_text(json.dumps(results, indent=1))
-    for label, result in (("dedup", dedup), (f"hf sdpa x{few}", baseline)):
+    baseline_label = f"packed baseline x{few}" if hybrid else f"hf sdpa x{few}"
+    for label, result in (("dedup", dedup), (baseline_label, baseline)):
         print(
             f"{label}: wall {result['wall_ms']:.1f} ms, kernels {result['kernel_ms']:.1f} ms, "
             f"idle {result['gpu_idle_fraction']:.1%}, {result['tflops']:.0f} TFLOP/s ({result['mfu']:.1%})"

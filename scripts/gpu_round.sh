@@ -20,6 +20,8 @@
 #   zorro-sweep-ends  the sweep at P 512 and 32768 (rows merge by prompt)  (~4 min)
 #   zorro-memory   peak memory at equal G, max G, dedup at 4x the baseline's max G  (~5 min)
 #   zorro-profile  kernels by category for one dedup step                (~1.5 min)
+#   zorro-profile-hybrid  the same for the hybrid (full recompute; Gated DeltaNet kernels as a category; after
+#                  zorro-hybrid on the same machine, so fla's kernels are compiled)  (~2 min)
 #   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
 #   tree-quick     its correctness section and the first shape            (~2 min)
 #   tree-sdpa-rule sdpa vs Flex on many small trees, 4K-token trees and a trie (auto's rule)  (~3 min)
@@ -65,13 +67,15 @@ for stage in "$@"; do
       -p no:cacheprovider packages/arctic-dedup/tests/attention/test_tree_attention_gpu.py ;;
     zorro-dense) run zorro_dense 240 "${zorro[@]}" --sections dense --dedup-backends sdpa flex --baselines hf_sdpa ;;
     zorro-ragged) run zorro_ragged 240 "${zorro[@]}" --sections ragged --dedup-backends sdpa flex --baselines hf_sdpa ;;
-    zorro-hybrid) run zorro_hybrid 420 "${zorro[@]}" --sections hybrid --dedup-backends sdpa --time-despite-fla-640 ;;
+    zorro-hybrid) run zorro_hybrid 560 "${zorro[@]}" --sections hybrid --dedup-backends sdpa --time-despite-fla-640 ;;
     hybrid-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run hybrid_tests 420 python3 -m pytest -q -m gpu -k hybrid \
       -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_gpu.py ;;
     zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep ;;
     zorro-sweep-ends) run zorro_sweep_ends 330 "${zorro[@]}" --sections sweep --sweep-prompts 512 32768 ;;
     zorro-memory) run zorro_memory 420 "${zorro[@]}" --sections memory --dedup-backends sdpa ;;
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
+    zorro-profile-hybrid) run zorro_profile_hybrid 300 python3 benchmarks/zorro_profile.py --model hybrid \
+      --time-despite-fla-640 --baseline-samples 1 --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
     tree-quick) run tree_quick 200 python3 benchmarks/tree_attention.py --quick --budget-s 170 --out "$out" ;;
     tree-sdpa-rule) run tree_sdpa_rule 240 python3 benchmarks/tree_attention.py --sdpa-rule --out "$out" ;;

@@ -126,3 +126,56 @@ def test_nodes_across_chunk_boundaries(family: str) -> None:
     ]
     model = float64_model(family, output_router_logits=False) if family == "qwen3_next" else float64_model(family)
     compare_with_reference(model, make_batch(samples, extra_prompt_padding=3, extra_response_padding=1))
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_grouped_value_heads_read_their_query_key_head(name: str) -> None:
+    """Value head ``i`` reads query/key head ``i // (Hv / Hk)``: the same as expanding q and k with
+    ``repeat_interleave`` first (what transformers' layers do)."""
+    plan, _ = _plan(name)
+    schedule = build_gated_delta_schedule(plan, 4)  # type: ignore[arg-type]
+    tokens, key_heads, value_heads, dim = plan.num_packed_tokens, 2, 6, 8  # type: ignore[attr-defined]
+    generator = torch.Generator().manual_seed(1)
+    query, key = (torch.randn(tokens, key_heads, dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    value = torch.randn(tokens, value_heads, dim, generator=generator, dtype=torch.float64)
+    g = -torch.rand(tokens, value_heads, generator=generator, dtype=torch.float64)
+    beta = torch.rand(tokens, value_heads, generator=generator, dtype=torch.float64)
+    inputs = [query, key, value, g, beta]
+    for tensor in inputs:
+        tensor.requires_grad_(True)
+    rule = float64_recurrent_gated_delta_rule
+    grouped = tree_gated_delta_rule(query, key, value, g, beta, schedule, rule)
+    ratio = value_heads // key_heads
+    expanded = tree_gated_delta_rule(
+        query.repeat_interleave(ratio, dim=1), key.repeat_interleave(ratio, dim=1), value, g, beta, schedule, rule
+    )
+    torch.testing.assert_close(grouped, expanded, rtol=0, atol=0)
+    upstream = torch.randn(grouped.shape, generator=generator, dtype=torch.float64)
+    grads = torch.autograd.grad((grouped * upstream).sum(), inputs)
+    expected = torch.autograd.grad((expanded * upstream).sum(), inputs)
+    for actual, wanted in zip(grads, expected):
+        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="multiple of query/key heads"):
+        tree_gated_delta_rule(query, key, value[:, :5], g[:, :5], beta[:, :5], schedule, rule)
+
+
+def test_levels_read_slices_when_their_nodes_sit_side_by_side() -> None:
+    """One prompt group (and a batch without sharing) keep the packed order level by level: every level is one
+    contiguous range and the outputs need no reordering; several groups interleave prompts and responses."""
+    one_group = make_batch([Sample([1, 2, 3], [4, 5]), Sample([1, 2, 3], [6]), Sample([1, 2, 3], [7, 8, 9])])
+    plan = plan_batch(one_group["input_ids"], one_group["responses"].shape[1], one_group["attention_mask"])
+    schedule = build_gated_delta_schedule(plan, 4)
+    assert schedule.level_order_is_packed_order
+    assert [level.contiguous_start for level in schedule.levels] == [0, 3]
+    unshared = plan_batch(
+        one_group["input_ids"], one_group["responses"].shape[1], one_group["attention_mask"], deduplicate=False
+    )
+    schedule = build_gated_delta_schedule(unshared, 4)
+    assert schedule.level_order_is_packed_order and schedule.levels[0].contiguous_start == 0
+    plan, _ = _plan("prompt_groups")
+    schedule = build_gated_delta_schedule(plan, 4)  # type: ignore[arg-type]
+    assert not schedule.level_order_is_packed_order
+    assert schedule.levels[0].contiguous_start is None  # the two prompts have responses between them
+    x = torch.arange(plan.num_packed_tokens * 2.0).view(-1, 2)  # type: ignore[attr-defined]
+    for level in schedule.levels:
+        assert torch.equal(level.rows_of(x), x[level.token_index])

@@ -49,7 +49,9 @@ class GatedDeltaLevel:
     token_index ``[n]``: packed positions, node after node; cu_seqlens ``[m+1]`` over them; padded_index
     ``[m * max_length]``: the same positions right-padded per node with -1, and padded_rows ``[n]`` the rows of
     ``padded_index`` that are not padding; parent_row ``[m]``: the row of each node's parent among the previous
-    level's nodes (None for the roots).
+    level's nodes (None for the roots); contiguous_start: where ``token_index`` starts when it is one contiguous
+    range of packed positions (the nodes sit side by side in the stream), else None, so the level reads a slice
+    instead of gathering a copy.
     """
 
     token_index: torch.Tensor
@@ -58,6 +60,13 @@ class GatedDeltaLevel:
     padded_rows: torch.Tensor
     max_length: int
     parent_row: torch.Tensor | None
+    contiguous_start: int | None = None
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The level's tokens of ``x`` ``[T, ...]``, node after node: a slice when they are contiguous."""
+        if self.contiguous_start is not None:
+            return x[self.contiguous_start : self.contiguous_start + self.token_index.shape[0]]
+        return x.index_select(0, self.token_index)
 
     @property
     def num_nodes(self) -> int:
@@ -71,7 +80,8 @@ class GatedDeltaSchedule:
     fix_index ``[F]``: packed positions whose conv window reaches past their node's start; fix_lags ``[F, K]``:
     column ``L`` is the packed position ``L`` steps earlier along the path (-1 before the sample's start);
     levels: nodes by depth; level_order_inverse ``[T]``: where each packed token sits in the concatenation of the
-    levels' ``token_index``.
+    levels' ``token_index``; level_order_is_packed_order: that concatenation is the packed order itself (one prompt
+    group, or no sharing), so the outputs need no reordering.
     """
 
     conv_width: int
@@ -79,6 +89,7 @@ class GatedDeltaSchedule:
     fix_lags: torch.Tensor
     levels: tuple[GatedDeltaLevel, ...]
     level_order_inverse: torch.Tensor
+    level_order_is_packed_order: bool = False
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -123,14 +134,18 @@ def build_gated_delta_schedule(plan: Plan, conv_width: int) -> GatedDeltaSchedul
         parent_row = None if depth == 0 else row_in_level[tree.node_parent[nodes]]
         row_in_level[nodes] = torch.arange(nodes.numel(), device=device)
         padded_rows = torch.nonzero(padded_index >= 0).squeeze(1)
+        token_index = padded_index[padded_rows]
+        first = int(token_index[0])
+        contiguous = bool((token_index == first + torch.arange(token_index.numel(), device=device)).all())
         levels.append(
             GatedDeltaLevel(
-                token_index=padded_index[padded_rows],
+                token_index=token_index,
                 cu_seqlens=cu_seqlens,
                 padded_index=padded_index,
                 padded_rows=padded_rows,
                 max_length=max_length,
                 parent_row=parent_row,
+                contiguous_start=first if contiguous else None,
             )
         )
     order = torch.cat([level.token_index for level in levels])
@@ -142,6 +157,7 @@ def build_gated_delta_schedule(plan: Plan, conv_width: int) -> GatedDeltaSchedul
         fix_lags=fix_lags,
         levels=tuple(levels),
         level_order_inverse=inverse,
+        level_order_is_packed_order=bool((order == packed).all()),
     )
 
 
@@ -195,9 +211,10 @@ def _fla_probe(device_index: int, dtype: torch.dtype) -> str | None:
         values = torch.randn(*shape, device=f"cuda:{device_index}", generator=generator)
         return values.to(dtype).requires_grad_(True)
 
-    q, k, v = tensor(1, 64, 1, 64), tensor(1, 64, 1, 64), tensor(1, 64, 1, 64)
-    g = (-torch.rand(1, 64, 1, device=f"cuda:{device_index}", generator=generator)).requires_grad_(True)
-    beta = torch.rand(1, 64, 1, device=f"cuda:{device_index}", generator=generator).to(dtype)
+    # Two value heads per query/key head: the grouped layout the layers pass.
+    q, k, v = tensor(1, 64, 1, 64), tensor(1, 64, 1, 64), tensor(1, 64, 2, 64)
+    g = (-torch.rand(1, 64, 2, device=f"cuda:{device_index}", generator=generator)).requires_grad_(True)
+    beta = torch.rand(1, 64, 2, device=f"cuda:{device_index}", generator=generator).to(dtype)
     try:
         out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
         out.float().sum().backward()
@@ -236,9 +253,20 @@ def tree_gated_delta_rule(
     schedule: GatedDeltaSchedule,
     torch_chunk_rule: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
 ) -> torch.Tensor:
-    """The gated delta rule over the tree. query/key ``[T, H, Dk]``, value ``[T, H, Dv]``, g/beta ``[T, H]``
-    -> ``[T, H, Dv]``. q and k are L2-normalized inside (as transformers' Gated DeltaNet layers ask)."""
+    """The gated delta rule over the tree. query/key ``[T, Hk, Dk]``, value ``[T, Hv, Dv]``, g/beta ``[T, Hv]``
+    -> ``[T, Hv, Dv]``, ``Hv`` a multiple of ``Hk`` (value head ``i`` reads query/key head ``i // (Hv / Hk)``, as
+    transformers' ``repeat_interleave`` does). q and k are L2-normalized inside (as transformers' Gated DeltaNet
+    layers ask). fla's kernels take the grouped heads as they are (no expanded copies of q and k saved for the
+    backward); the torch kernel gets them expanded."""
+    if value.shape[1] % query.shape[1] != 0 or key.shape[1] != query.shape[1]:
+        raise ValueError(
+            f"value heads ({value.shape[1]}) must be a multiple of query/key heads ({query.shape[1]}/{key.shape[1]})."
+        )
     fla_rule = _fla_chunk_rule(query.device, query.dtype) if query.is_cuda else None
+    if fla_rule is None and value.shape[1] != query.shape[1]:
+        heads_per_key = value.shape[1] // query.shape[1]
+        query = query.repeat_interleave(heads_per_key, dim=1)
+        key = key.repeat_interleave(heads_per_key, dim=1)
     outputs: list[torch.Tensor] = []
     final_states: torch.Tensor | None = None
     for level in schedule.levels:
@@ -246,13 +274,12 @@ def tree_gated_delta_rule(
         if level.parent_row is not None and final_states is not None:
             initial = final_states.index_select(0, level.parent_row)
         if fla_rule is not None:
-            index = level.token_index
             out, final_states = fla_rule(
-                query[index].unsqueeze(0),
-                key[index].unsqueeze(0),
-                value[index].unsqueeze(0),
-                g=g[index].unsqueeze(0),
-                beta=beta[index].unsqueeze(0),
+                level.rows_of(query).unsqueeze(0),
+                level.rows_of(key).unsqueeze(0),
+                level.rows_of(value).unsqueeze(0),
+                g=level.rows_of(g).unsqueeze(0),
+                beta=level.rows_of(beta).unsqueeze(0),
                 initial_state=initial,
                 output_final_state=True,
                 use_qk_l2norm_in_kernel=True,
@@ -273,7 +300,10 @@ def tree_gated_delta_rule(
             use_qk_l2norm_in_kernel=True,
         )
         outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, level.padded_rows))
-    return torch.cat(outputs).index_select(0, schedule.level_order_inverse)
+    joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    if schedule.level_order_is_packed_order:
+        return joined
+    return joined.index_select(0, schedule.level_order_inverse)
 
 
 def _torch_chunk_rule_for(module: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
@@ -311,10 +341,6 @@ def gated_delta_tree_forward(
     # transformers' own formula, casts included (fp32: with fp16/bf16 weights exp(A_log) could overflow), so the
     # deduplicated run rounds where the plain run does, in every dtype.
     g = -module.A_log.float().exp() * F.softplus(inputs.a.float() + module.dt_bias)
-    heads_per_key = module.num_v_heads // module.num_k_heads
-    if heads_per_key > 1:
-        query = query.repeat_interleave(heads_per_key, dim=1)
-        key = key.repeat_interleave(heads_per_key, dim=1)
     core = tree_gated_delta_rule(query, key, value, g, beta, schedule, _torch_chunk_rule_for(module))
     core = core.to(hidden_states.dtype)
     gated = module.norm(core.reshape(-1, module.head_v_dim), inputs.z.reshape(-1, module.head_v_dim))
