@@ -30,13 +30,13 @@ from zorro_train import (
     FLA_640_NOTE,
     PEAK_TFLOPS,
     Options,
-    _bypass_fla_640_guard,
     _cost_row,
     baseline_step,
     build_model,
     dedup_step,
     group_batch,
     hf_sdpa_step,
+    lift_fla_640_guard_if_asked,
     select_samples,
 )
 
@@ -127,9 +127,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("zorro_profile: needs a CUDA GPU; nothing measured.")
         return
-    options = Options(device=torch.device("cuda"), repeats=1, quick=True, smoke=False)
     hybrid = args.model == "hybrid"
-    timing_only = hybrid and args.time_despite_fla_640 and _bypass_fla_640_guard()
+    options = Options(
+        device=torch.device("cuda"), repeats=1, quick=True, smoke=False, time_despite_fla_640=args.time_despite_fla_640
+    )
+    timing_only = hybrid and lift_fla_640_guard_if_asked(options)
     model = build_model(args.model, options)
     if hybrid:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
