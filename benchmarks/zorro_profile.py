@@ -54,7 +54,9 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "solve_tril",
             "l2norm",
             "chunk_local_cumsum",
-            "conv",
+            # torch's depthwise conv kernels ("conv" alone would catch inductor's *_convert_element_type_* kernels)
+            "depthwise",
+            "causal_conv1d",
         ),
     ),
     ("attention", ("flex", "triton_tem", "fmha", "flash", "attn", "tree_", "cudnn")),

@@ -12,8 +12,9 @@
 #   zorro-dense    ZoRRO dense P=8192 G=16 R=512: sdpa and Flex dedup vs HF SDPA  (~2 min)
 #   zorro-ragged   the ragged variant                                    (~2 min)
 #   zorro-hybrid   Qwen3.5-like hybrid (needs the fla wheels; with Triton 3.6 only timed despite fla #640, see
-#                  scripts/fetch_triton_parts.sh for Triton 3.7.1 and ARCTIC_TRITON)  (~4 min on a fresh machine:
-#                  fla's autotuning compiles ~180 kernel configs first, 2026-12-01; ~4 min again when warm)
+#                  scripts/fetch_triton_parts.sh for Triton 3.7.1 and ARCTIC_TRITON)  (~5-7 min: 247 s measured
+#                  with fla's kernels already compiled, before the 4- and 16-sample baselines were added; on a fresh
+#                  machine fla's autotuner first compiles ~180 configs, ~2.4 s each: run it after hybrid-tests)
 #   hybrid-tests   the hybrid GPU gradient test (fla kernels when they are usable; a fresh machine first spends
 #                  2-4 min compiling fla's autotune configs)  (~5 min)
 #   zorro-sweep    dedup-ratio sweep, --quick (P 2048 and 8192)          (~4 min)
@@ -21,7 +22,7 @@
 #   zorro-memory   peak memory at equal G, max G, dedup at 4x the baseline's max G  (~5 min)
 #   zorro-profile  kernels by category for one dedup step                (~1.5 min)
 #   zorro-profile-hybrid  the same for the hybrid (full recompute; Gated DeltaNet kernels as a category; after
-#                  zorro-hybrid on the same machine, so fla's kernels are compiled)  (~2 min)
+#                  hybrid-tests or zorro-hybrid on the same machine, so fla's kernels are compiled)  (~2 min)
 #   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
 #   tree-quick     its correctness section and the first shape            (~2 min)
 #   tree-sdpa-rule sdpa vs Flex on many small trees, 4K-token trees and a trie (auto's rule)  (~3 min)
