@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 (../shared/docs/gpu.md), stage by stage, each under its own time limit, results
 # under $OUT/r and packed into $OUT/results.tar.gz (the device tool brings back at most a few files).
-# The device has no .git: run from a `git archive HEAD` copy and pass the commit.
+# The device has no .git: pass the commit of the (clean) tree that travels.
 #
-#   here:   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap && ln -s ../.whl .snap/.whl
-#   there:  cd .snap && ARCTIC_COMMIT=<sha> bash scripts/gpu_round.sh tests zorro-dense   (carry .snap and .whl)
+#   there:  ARCTIC_COMMIT=<sha> bash scripts/gpu_round.sh tests zorro-dense
+#           (from the repo root; carry .whl, and .tcache holding autotune.tar.gz from an earlier results.tar.gz)
 #
 # Stages (about how long on the H200):
 #   tests          nox -s gpu_tests                                     (~6-8 min: arctic-dedup alone 2.5 min)
@@ -40,6 +40,12 @@ export PYTHONFAULTHANDLER=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
 fi
+# Triton's autotune choices (fla's kernels cache theirs: FLA_CACHE_RESULTS) travel between calls: a carried
+# .tcache/autotune.tar.gz (from an earlier call's results) is unpacked into the cache first, so a fresh machine
+# compiles only the chosen configs; every call packs the choices it has into $out/autotune.tar.gz.
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton-cache}"
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .tcache/autotune.tar.gz ]; then tar -xzf .tcache/autotune.tar.gz -C "$TRITON_CACHE_DIR"; fi
 packages="$PWD/packages/arctic-dedup/src:$PWD/packages/arctic-zorro-train/src:$PWD/packages/arctic-fca/src"
 # ARCTIC_TRITON=/tmp/triton371: a newer Triton assembled by scripts/gpu_triton.sh goes first on the path (for fla's
 # Gated DeltaNet kernels on Hopper; torch.compile users such as FlexAttention may not work with it).
@@ -87,5 +93,6 @@ for stage in "$@"; do
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
   esac
 done
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$out/autotune.tar.gz" -T -)
 tar -czf "$out/../results.tar.gz" -C "$out" .
 exit $failed
