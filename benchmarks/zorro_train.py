@@ -107,6 +107,10 @@ class Options:
     baselines: tuple[str, ...] = ("packed", "hf_sdpa")
     time_despite_fla_640: bool = False
     sweep_prompts: tuple[int, ...] = ()
+    # The sweep packs whole samples (baseline) and whole prompt groups (dedup) into micro-batches of at most this many
+    # tokens, as RL trainers do (verl's ppo_max_token_len_per_gpu): one sample of 1K tokens per micro-batch would
+    # leave the baseline far under its MFU, and 16 one-sample groups packed alike equal the baseline.
+    sweep_micro_batch_tokens: int = 32768
     # Samples per micro-batch of the packed baseline; None: 1, and for the hybrid also 4 and 16 (fla's Gated DeltaNet
     # recurrence is parallel over sequences and heads only, so one long sample per micro-batch starves it).
     baseline_samples: tuple[int, ...] | None = None
@@ -626,14 +630,17 @@ def section_sweep(options: Options) -> list[dict[str, Any]]:
     samples = 16 if not options.smoke else 4
     uniques = [1, 2, 4, 16] if not options.smoke else [1, 4]
     rows = []
+    budget = options.sweep_micro_batch_tokens
     for prompt in prompt_lengths:
         batch_rows: list[dict[str, Any]] = []
+        baseline_per_micro_batch = max(1, budget // (prompt + response))
         for unique in uniques:
             per_prompt = samples // unique
             prompts = [prompt] * unique
             responses = [[response] * per_prompt for _ in range(unique)]
             batch = group_batch(prompts, responses, model.config.vocab_size, options.device, seed=unique)
             cost, _ = _cost_row(model, prompts, responses)
+            groups_per_micro_batch = max(1, budget // (prompt + per_prompt * response))
             row: dict[str, Any] = {
                 "section": "sweep",
                 "run": "dedup",
@@ -642,13 +649,23 @@ def section_sweep(options: Options) -> list[dict[str, Any]]:
                 "samples": samples,
                 "layers": layers,
                 "flop_bound": cost.flop_bound,
+                "micro_batch_tokens": budget,
+                "baseline_samples_per_micro_batch": baseline_per_micro_batch,
+                "dedup_groups_per_micro_batch": min(groups_per_micro_batch, unique),
             }
             try:
                 if unique == uniques[0]:
-                    base = time_step(baseline_step(model, batch, options.baseline_backend, 1), model, options)
-                    baseline_seconds = base["seconds"]
-                # One prompt group per micro-batch (never split): the non-shared case then equals the baseline.
-                groups = [list(range(u * per_prompt, (u + 1) * per_prompt)) for u in range(unique)]
+                    step = baseline_step(model, batch, options.baseline_backend, baseline_per_micro_batch)
+                    baseline_seconds = time_step(step, model, options)["seconds"]
+                # Whole prompt groups per micro-batch (never split), packed like the baseline's samples.
+                groups = [
+                    [
+                        member
+                        for u in range(first, min(first + groups_per_micro_batch, unique))
+                        for member in range(u * per_prompt, (u + 1) * per_prompt)
+                    ]
+                    for first in range(0, unique, groups_per_micro_batch)
+                ]
                 measured = time_step(dedup_step(model, batch, options.dedup_backends[0], groups), model, options)
                 row.update(measured)
                 # Every sweep batch has the same samples count and lengths, so one baseline serves all.
@@ -845,6 +862,13 @@ def main() -> int:
         "also serves the memory and sweep sections)",
     )
     parser.add_argument(
+        "--sweep-micro-batch-tokens",
+        type=int,
+        default=32768,
+        help="sweep: whole samples (baseline) and whole prompt groups (dedup) are packed into micro-batches of at "
+        "most this many tokens (a group larger than this is one micro-batch)",
+    )
+    parser.add_argument(
         "--sweep-prompts",
         nargs="*",
         type=int,
@@ -890,6 +914,7 @@ def main() -> int:
         baselines=tuple(args.baselines),
         time_despite_fla_640=args.time_despite_fla_640,
         sweep_prompts=tuple(args.sweep_prompts),
+        sweep_micro_batch_tokens=args.sweep_micro_batch_tokens,
         baseline_samples=tuple(args.baseline_samples) or None,
     )
     runners: dict[str, Callable[[], list[dict[str, Any]]]] = {

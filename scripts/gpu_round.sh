@@ -17,7 +17,7 @@
 #                  machine fla's autotuner first compiles ~180 configs, ~2.4 s each: run it after hybrid-tests)
 #   hybrid-tests   the hybrid GPU gradient test (fla kernels when they are usable; a fresh machine first spends
 #                  2-4 min compiling fla's autotune configs)  (~5 min)
-#   zorro-sweep    dedup-ratio sweep, --quick (P 2048 and 8192)          (~4 min)
+#   zorro-sweep    dedup-ratio sweep at P 2048 and 8192, or the P of ARCTIC_SWEEP_PROMPTS="512 2048 8192"  (~4 min)
 #   zorro-sweep-ends  the sweep at P 512 and 32768 (rows merge by prompt)  (~4 min)
 #   zorro-memory   peak memory at equal G, max G, dedup at 4x the baseline's max G  (~5 min)
 #   zorro-profile  kernels by category for one dedup step                (~1.5 min)
@@ -77,7 +77,7 @@ for stage in "$@"; do
     zorro-hybrid) run zorro_hybrid 560 "${zorro[@]}" --sections hybrid --dedup-backends sdpa --time-despite-fla-640 ;;
     hybrid-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run hybrid_tests 420 python3 -m pytest -q -m gpu -k hybrid \
       -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_gpu.py ;;
-    zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep ;;
+    zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep --sweep-prompts ${ARCTIC_SWEEP_PROMPTS:-2048 8192} ;;
     zorro-sweep-ends) run zorro_sweep_ends 330 "${zorro[@]}" --sections sweep --sweep-prompts 512 32768 ;;
     zorro-memory) run zorro_memory 420 "${zorro[@]}" --sections memory --dedup-backends sdpa ;;
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
