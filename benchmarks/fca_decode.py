@@ -112,7 +112,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _forest_plan(
-    batch: DecodeBatch, shape: Shape, config: ForestKernelConfig, workspace: ForestWorkspace | None
+    batch: DecodeBatch, shape: Shape, config: ForestKernelConfig | None, workspace: ForestWorkspace | None
 ) -> ForestPlan:
     return plan_forest(
         batch.block_table,
@@ -129,7 +129,8 @@ def _forest_plan(
     )
 
 
-def _paged_plan(batch: DecodeBatch, config: ForestKernelConfig) -> ForestPlan:
+def _paged_plan(batch: DecodeBatch, config: ForestKernelConfig | None) -> ForestPlan:
+    config = config or ForestKernelConfig()
     return plan_paged(
         batch.block_table,
         batch.seq_lens,
@@ -319,7 +320,7 @@ class Case:
             spare_blocks=0,
         )
 
-    def time(self, what: str, config: ForestKernelConfig, repeats: int) -> float:
+    def time(self, what: str, config: ForestKernelConfig | None, repeats: int) -> float:
         """Per-layer microseconds of ``what``: forest, forest_kernels, plan, paged, paged_kernels or paged_plan."""
         scale = self.shape.head_dim**-0.5
         calls: list[Callable[[], Any]] = []
@@ -357,7 +358,7 @@ class Case:
         cycled = [calls[i % len(calls)] for i in range(max(per_graph, len(calls)))]
         return _graph_time_us(cycled, repeats, self.shape.device)
 
-    def check(self, config: ForestKernelConfig, paged_config: ForestKernelConfig) -> dict[str, Any]:
+    def check(self, config: ForestKernelConfig | None, paged_config: ForestKernelConfig) -> dict[str, Any]:
         """Device groups equal the torch twin's; forest output equals the per-request kernel's within bf16 noise."""
         batch, workspace = self.batches[0], self.workspaces[0]
         scale = self.shape.head_dim**-0.5
@@ -399,7 +400,7 @@ def _paged_config(base: ForestKernelConfig, candidate: tuple[int, int, int]) -> 
     return replace(base, num_warps=warps, num_stages=stages, suffix_block_n=suffix_n)
 
 
-def _safe_time(case: Case, what: str, config: ForestKernelConfig, repeats: int) -> float:
+def _safe_time(case: Case, what: str, config: ForestKernelConfig | None, repeats: int) -> float:
     try:
         return case.time(what, config, repeats)
     except Exception as error:  # a candidate that does not fit the chip (shared memory, registers) is skipped
@@ -409,29 +410,32 @@ def _safe_time(case: Case, what: str, config: ForestKernelConfig, repeats: int) 
 
 def _tune(
     rl: Case, single: Case, no_share: Case, tiny_suffix: Case, repeats: int, rows: list[dict[str, Any]]
-) -> tuple[ForestKernelConfig, ForestKernelConfig]:
+) -> tuple[ForestKernelConfig | None, ForestKernelConfig]:
     """Pick the forest kernel's launch config and split sizes, then the per-request kernel's (kernels only).
 
     The forest score is the geometric mean over RL-8x16, one group, no sharing and S=0 (many one-token suffix
-    items queued behind prefix items: the case that punishes too few free program slots).
+    items queued behind prefix items: the case that punishes too few free program slots). The library's own rule
+    (``config=None``: ``default_forest_config`` by batch size, what users get) is the first candidate; a single
+    config replaces it only where it scores better.
     """
     base = ForestKernelConfig()
     cases = (rl, single, no_share, tiny_suffix)
 
-    def forest_score(config: ForestKernelConfig, label: str) -> float:
+    def forest_score(config: ForestKernelConfig | None, label: str) -> float:
         times = [_safe_time(case, "forest_kernels", config, repeats) for case in cases]
         rows.append({"tune": label, "config": str(config), **{f"{c.name}_us": t for c, t in zip(cases, times)}})
         finite = all(math.isfinite(t) for t in times)
         return math.exp(sum(math.log(t) for t in times) / len(times)) if finite else math.inf
 
-    best, best_score = base, math.inf
+    best: ForestKernelConfig | None = None
+    best_score = forest_score(None, "library default (rule by batch size)")
     for candidate in FOREST_CANDIDATES:
         config = _forest_config(base, candidate)
         score = forest_score(config, "forest launch")
         if score < best_score:
             best, best_score = config, score
     for prefix_waves, waves in WAVES:
-        config = replace(best, prefix_waves=prefix_waves, waves=waves)
+        config = replace(best or base, prefix_waves=prefix_waves, waves=waves)
         score = forest_score(config, "forest waves")
         if score < best_score:
             best, best_score = config, score
@@ -449,7 +453,7 @@ def _tune(
 
 
 def _measure(
-    case: Case, config: ForestKernelConfig, paged_config: ForestKernelConfig, repeats: int, copy_tbps: float
+    case: Case, config: ForestKernelConfig | None, paged_config: ForestKernelConfig, repeats: int, copy_tbps: float
 ) -> dict[str, Any]:
     forest_us = case.time("forest", config, repeats)
     kernels_us = case.time("forest_kernels", config, repeats)
@@ -1107,7 +1111,7 @@ def main() -> None:
     no_share = Case(names[2], *specs[names[2]], shape=shape)
     tiny_suffix = Case(names[4], *specs[names[4]], shape=shape)
     if args.quick:
-        config, paged_config = ForestKernelConfig(), replace(ForestKernelConfig(), suffix_block_n=64)
+        config, paged_config = None, replace(ForestKernelConfig(), suffix_block_n=64)
     else:
         config, paged_config = _tune(rl, single, no_share, tiny_suffix, max(5, repeats // 3), rows)
         print(f"tuning done ({time.time() - started:.0f} s)", flush=True)
@@ -1174,7 +1178,7 @@ def main() -> None:
             str(row["suffix"]): row["of_ideal_amortized"] for row in results if "suffix" in row
         },
         "correctness_ok": not failed,
-        "config": str(config),
+        "config": str(config) if config is not None else "library default (default_forest_config by batch size)",
         "paged_config": str(paged_config),
         "seconds": time.time() - started,
     }
