@@ -834,7 +834,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     else:
         sweep_axis.text(0.5, 0.5, "sweep not run yet", ha="center", va="center", transform=sweep_axis.transAxes)
     sweep_axis.set_xlabel("prompt length P (R = 512, 16 samples)")
-    sweep_axis.set_title("dedup-ratio sweep (dashed: FLOP bound)", fontsize=9)
+    layers = sweep[0].get("layers", "") if sweep else ""
+    budget = sweep[0].get("micro_batch_tokens") if sweep else None
+    packing = f", micro-batches <= {budget // 1024}K tokens" if budget else ""
+    sweep_axis.set_title(f"dedup-ratio sweep, {layers} layers{packing} (dashed: FLOP bound)", fontsize=9)
     figure.suptitle(f"ZoRRO Train fwd+bwd on {results['meta'].get('device', '')}", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
