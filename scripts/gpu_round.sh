@@ -45,7 +45,11 @@ fi
 # compiles only the chosen configs; every call packs the choices it has into $out/autotune.tar.gz.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton-cache}"
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -f .tcache/autotune.tar.gz ]; then tar -xzf .tcache/autotune.tar.gz -C "$TRITON_CACHE_DIR"; fi
+# scripts/h200_autotune.tar.gz: the choices of the 2026-12-01 H200 runs (Triton 3.6 and 3.7.1, fla-core 0.6.0; a
+# choice is keyed by Triton's version, the kernel's source and the configs, so a stale one is simply never found).
+for choices in scripts/h200_autotune.tar.gz .tcache/autotune.tar.gz; do
+  if [ -f "$choices" ]; then tar -xzf "$choices" -C "$TRITON_CACHE_DIR"; fi
+done
 packages="$PWD/packages/arctic-dedup/src:$PWD/packages/arctic-zorro-train/src:$PWD/packages/arctic-fca/src"
 # ARCTIC_TRITON=/tmp/triton371: a newer Triton assembled by scripts/gpu_triton.sh goes first on the path (for fla's
 # Gated DeltaNet kernels on Hopper; torch.compile users such as FlexAttention may not work with it).
