@@ -575,7 +575,8 @@ class Variant:
 
     @property
     def split(self) -> bool:
-        return self.knobs.split_passes or (self.config is not None and self.config.split_passes)
+        config = self.config
+        return self.knobs.split_passes or (config is not None and (config.split_passes or config.fuse_combine))
 
 
 def _variants() -> list[Variant]:
@@ -586,7 +587,20 @@ def _variants() -> list[Variant]:
     stream64 = DecodeKnobs(split_passes=True, prefix_num_warps=4, prefix_num_stages=3, side_stream=True)
     p64_s64 = replace(base, prefix_block_n=64, suffix_block_n=64, split_passes=True)
     deep = replace(base, num_stages=5, split_passes=True)
+    fused = replace(p64_s64, split_passes=False, fuse_combine=True)
     return [
+        Variant(
+            "fused_p64_s64",
+            "prefix pass (64x64, 2/SM), then the suffix pass (64-token tiles) merging the prefix partials of one-item "
+            "suffixes itself: the combine only serves split suffixes (none in RL-8x16 or the single group)",
+            fused,
+        ),
+        Variant(
+            "fused_p64_s64_w1",
+            "fused_p64_s64 with prefix_waves 2 and waves 1 (single group: 264 prefix programs, one suffix item per "
+            "(request, kv head))",
+            replace(fused, waves=1.0),
+        ),
         Variant(
             "v3_default",
             "plan_forest's default rule (w1_p64 for <= 1 (request, kv head) per SM, else stream_p64)",
@@ -662,6 +676,7 @@ def _compile_signature(case_name: str, variant: Variant) -> tuple[Any, ...]:
         case_name,
         tiles,
         variant.split,
+        config.fuse_combine,
         knobs.prefix_num_warps,
         knobs.prefix_num_stages,
         knobs.combine_dim_block,

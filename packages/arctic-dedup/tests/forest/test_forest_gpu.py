@@ -95,6 +95,29 @@ def test_forest_decode_bf16_matches_reference(block_size: int, queries_per_kv: i
     _check(paged_out, paged_lse, batch, scale)
 
 
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN[::2])
+def test_fused_combine_bf16_matches_reference(block_size: int, queries_per_kv: int, head_dim: int) -> None:
+    # The suffix pass merges the prefix partials of one-item suffixes itself (ForestKernelConfig.fuse_combine).
+    seed = block_size * 1000 + queries_per_kv * 10 + head_dim + 1
+    batch = _random_batch(seed, block_size, queries_per_kv, head_dim, max_query_len=1 + seed % 4)
+    scale = head_dim**-0.5
+    plan = plan_forest(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=block_size,
+        num_cache_blocks=batch.key_cache.shape[0],
+        max_query_len=batch.max_query_len,
+        queries_per_kv=queries_per_kv,
+        num_kv_heads=2,
+        config=ForestKernelConfig(split_granularity=64, prefix_block_n=64, suffix_block_n=64, fuse_combine=True),
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    lse = torch.full(batch.query.shape[:2], float("nan"), device="cuda")
+    forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, scale, out=out, lse=lse)
+    _check(out, lse, batch, scale)
+
+
 def test_head_major_cache_and_fp32() -> None:
     batch = make_decode_batch(
         [300, 129], [[0, 40, 7], [3, 90]], queries_per_kv=4, head_dim=128, device="cuda", head_major_cache=True, seed=5

@@ -186,6 +186,14 @@ V3 = {
         _small(ForestKernelConfig(prefix_waves=1.0, waves=1.0)),
         DecodeKnobs(combine_dim_block=32, combine_chunk_cap=64),
     ),
+    "fused_p64_s64": (
+        _small(ForestKernelConfig(prefix_block_n=64, suffix_block_n=64, fuse_combine=True)),
+        DecodeKnobs(),
+    ),
+    "fused_w1_side_stream_asked": (
+        _small(ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, fuse_combine=True)),
+        DecodeKnobs(side_stream=True, combine_chunk_cap=2),
+    ),
 }
 
 
@@ -199,7 +207,7 @@ def test_v3_variants_match_reference_on_random_forests(
     _run(_random_forest(seed, block_size, queries_per_kv, head_dim), queries_per_kv, knobs, config)
 
 
-@pytest.mark.parametrize("name", ["split_p64_s64", "split_p32_deep"])
+@pytest.mark.parametrize("name", ["split_p64_s64", "split_p32_deep", "fused_p64_s64"])
 @pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN[1::2])
 def test_v3_split_variants_on_the_other_latin_cells(
     name: str, block_size: int, queries_per_kv: int, head_dim: int
@@ -247,3 +255,49 @@ def test_default_config_is_a_rule_by_batch_size() -> None:
         out, lse = forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.2)
         _assert_close(out, lse, _reference(batch, 0.2), 1e-5)
     assert plan.config.split_passes
+
+
+def _fused_plan_and_batch(seed: int) -> tuple[Any, DecodeBatch]:
+    # Suffixes short enough to be one item each, and one long one split into several (it still needs the combine).
+    batch = make_decode_batch(
+        [70, 45, 33],
+        [[5, 9, 0, 3], [12, 1, 150], [2]],
+        query_lens=[[1, 2, 1, 3], [1, 1, 2], [1]],
+        queries_per_kv=2,
+        seed=seed,
+    )
+    config = ForestKernelConfig(split_granularity=16, multiprocessors=8, waves=4.0, fuse_combine=True)
+    return _plan(batch, 2, config=config), batch
+
+
+def test_fused_combine_merges_in_the_suffix_pass_and_the_combine_skips_those_requests() -> None:
+    plan, batch = _fused_plan_and_batch(41)
+    scale = batch.query.shape[2] ** -0.5
+    assert int(plan.num_groups) >= 2
+    suffix_items = plan.work_start[plan.num_requests + 1 :] - plan.work_start[plan.num_requests : -1]
+    assert bool((suffix_items > 1).any()) and bool((suffix_items == 1).any())
+    assert bool(((suffix_items == 1) & (plan.tile_of >= 0)).any()), "no grouped request with one suffix item"
+    out, lse = _poisoned(batch)
+    partials = allocate_partials(plan, batch.query.shape[2], batch.query.device)
+    launch_attention(batch.query, batch.key_cache, batch.value_cache, plan, scale, out, lse, partials)
+    reference_out, reference_lse = _reference(batch, scale)
+    # Before the combine: every request with one suffix item is already final, grouped or not.
+    starts = batch.query_start_loc.tolist()
+    for request, count in enumerate(suffix_items.tolist()):
+        rows = slice(starts[request], starts[request + 1])
+        if count == 1:
+            torch.testing.assert_close(out[rows], reference_out[rows], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[rows], reference_lse[rows], atol=1e-5, rtol=1e-5)
+    launch_combine(out, lse, plan, partials, batch.query.shape[2])
+    _assert_close(out, lse, (reference_out, reference_lse), 1e-5)
+
+
+def test_fused_combine_needs_both_passes_in_order() -> None:
+    plan, batch = _fused_plan_and_batch(42)
+    out, lse = _poisoned(batch)
+    partials = allocate_partials(plan, batch.query.shape[2], batch.query.device)
+    for passes in ((0,), (2, 1), (1, 2, 1)):
+        with pytest.raises(PlanError, match="fuse_combine"):
+            launch_attention(
+                batch.query, batch.key_cache, batch.value_cache, plan, 0.2, out, lse, partials, passes=passes
+            )

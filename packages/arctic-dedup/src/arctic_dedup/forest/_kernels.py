@@ -599,11 +599,15 @@ def _suffix_item(
     seq_lens_ptr,
     prefix_blocks_ptr,
     tile_of_ptr,
+    slot_in_tile_ptr,
+    work_start_ptr,
     split_tokens_ptr,
     out_ptr,
     lse_ptr,
     part_out_ptr,
     part_lse_ptr,
+    prefix_part_out_ptr,
+    prefix_part_lse_ptr,
     request,
     item,
     item_count,
@@ -630,9 +634,11 @@ def _suffix_item(
     head_dim,
     num_kv_heads,
     HAS_PREFIX: tl.constexpr,
+    FUSE: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PAGE: tl.constexpr,
+    PREFIX_BLOCK_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -697,7 +703,32 @@ def _suffix_item(
     out, lse = _finish_rows(m_i, l_i, acc)
     direct = item_count == 1
     if HAS_PREFIX:
-        direct = direct & (tl.load(tile_of_ptr + request) < 0)
+        tile = tl.load(tile_of_ptr + request)
+        if FUSE:
+            # The prefix pass has finished (same stream, launched first): a request whose suffix is this one item
+            # merges its tile's prefix partials here, so the combine never sees it.
+            if direct & (tile >= 0):
+                out, lse = _merge_prefix_partials(
+                    out,
+                    lse,
+                    prefix_part_out_ptr,
+                    prefix_part_lse_ptr,
+                    work_start_ptr,
+                    tile,
+                    tl.load(slot_in_tile_ptr + request),
+                    kv_head,
+                    rows,
+                    row_ok,
+                    dims,
+                    dim_ok,
+                    head_dim,
+                    num_kv_heads,
+                    G,
+                    QMAX,
+                    PREFIX_BLOCK_M,
+                )
+        else:
+            direct = direct & (tile < 0)
     if direct:
         # The request's whole context was this one item: this is the final result (the combine skips it).
         out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
@@ -716,6 +747,53 @@ def _suffix_item(
 
 
 @triton.jit
+def _merge_prefix_partials(
+    out,
+    lse,
+    part_out_ptr,
+    part_lse_ptr,
+    work_start_ptr,
+    tile,
+    slot,
+    kv_head,
+    rows,
+    row_ok,
+    dims,
+    dim_ok,
+    head_dim,
+    num_kv_heads,
+    G: tl.constexpr,
+    QMAX: tl.constexpr,
+    PREFIX_BLOCK_M: tl.constexpr,
+):
+    # Log-sum-exp merge (natural log) of a suffix result with every prefix split of its tile, one split at a time
+    # (the splits' loads do not depend on each other). A row or partial with lse = -inf saw no key.
+    prefix_first = tl.load(work_start_ptr + tile)
+    prefix_count = tl.load(work_start_ptr + tile + 1) - prefix_first
+    run_max = lse
+    run_sum = tl.where(lse == float("-inf"), 0.0, 1.0)
+    acc = tl.where(run_sum[:, None] > 0.0, out, 0.0)
+    for index in range(0, prefix_count):
+        base = ((prefix_first + index).to(tl.int64) * num_kv_heads + kv_head) * PREFIX_BLOCK_M + slot * (QMAX * G)
+        part_lse = tl.load(part_lse_ptr + base + rows, mask=row_ok, other=float("-inf"))
+        part = tl.load(
+            part_out_ptr + (base + rows)[:, None] * head_dim + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        new_max = tl.maximum(run_max, part_lse)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        old_scale = tl.exp(run_max - shift)
+        part_scale = tl.exp(part_lse - shift)
+        run_sum = run_sum * old_scale + part_scale
+        acc = acc * old_scale[:, None] + tl.where(part_scale[:, None] > 0.0, part * part_scale[:, None], 0.0)
+        run_max = new_max
+    has_keys = run_sum > 0.0
+    safe_sum = tl.where(has_keys, run_sum, 1.0)
+    return acc / safe_sum[:, None], tl.where(has_keys, run_max + tl.log(safe_sum), float("-inf"))
+
+
+@triton.jit
 def forest_attention_kernel(
     q_ptr,
     k_ptr,
@@ -725,6 +803,7 @@ def forest_attention_kernel(
     seq_lens_ptr,
     prefix_blocks_ptr,
     tile_of_ptr,
+    slot_in_tile_ptr,
     tile_leader_ptr,
     tile_prefix_blocks_ptr,
     tile_member_start_ptr,
@@ -760,6 +839,7 @@ def forest_attention_kernel(
     head_dim,
     num_kv_heads,
     HAS_PREFIX: tl.constexpr,
+    FUSE: tl.constexpr,
     OWNERS_BLOCK: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
@@ -895,11 +975,15 @@ def forest_attention_kernel(
                     seq_lens_ptr,
                     prefix_blocks_ptr,
                     tile_of_ptr,
+                    slot_in_tile_ptr,
+                    work_start_ptr,
                     split_tokens_ptr,
                     out_ptr,
                     lse_ptr,
                     suffix_part_out_ptr,
                     suffix_part_lse_ptr,
+                    prefix_part_out_ptr,
+                    prefix_part_lse_ptr,
                     (owner - num_requests).to(tl.int64),
                     item,
                     item_count,
@@ -926,9 +1010,11 @@ def forest_attention_kernel(
                     head_dim,
                     num_kv_heads,
                     HAS_PREFIX,
+                    FUSE,
                     G,
                     QMAX,
                     PAGE,
+                    PREFIX_BLOCK_M,
                     SUFFIX_BLOCK_M,
                     ROWS,
                     SUFFIX_BLOCK_N,
@@ -946,11 +1032,15 @@ def forest_attention_kernel(
                 seq_lens_ptr,
                 prefix_blocks_ptr,
                 tile_of_ptr,
+                slot_in_tile_ptr,
+                work_start_ptr,
                 split_tokens_ptr,
                 out_ptr,
                 lse_ptr,
                 suffix_part_out_ptr,
                 suffix_part_lse_ptr,
+                prefix_part_out_ptr,
+                prefix_part_lse_ptr,
                 (owner - num_requests).to(tl.int64),
                 item,
                 item_count,
@@ -977,9 +1067,11 @@ def forest_attention_kernel(
                 head_dim,
                 num_kv_heads,
                 HAS_PREFIX,
+                FUSE,
                 G,
                 QMAX,
                 PAGE,
+                PREFIX_BLOCK_M,
                 SUFFIX_BLOCK_M,
                 ROWS,
                 SUFFIX_BLOCK_N,
@@ -1010,6 +1102,7 @@ def forest_combine_kernel(
     num_kv_heads,
     dim_chunks,
     HAS_PREFIX: tl.constexpr,
+    FUSE: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PREFIX_BLOCK_M: tl.constexpr,
@@ -1034,8 +1127,12 @@ def forest_combine_kernel(
     if HAS_PREFIX:
         tile = tl.load(tile_of_ptr + request)
         slot = tl.load(slot_in_tile_ptr + request)
-    # A request whose context was one suffix item was written by the attention kernel itself.
-    if (tile >= 0) | (suffix_count != 1):
+    # A request whose context was one suffix item was written by the attention kernel itself; with FUSE, so was
+    # every request whose suffix was one item (its prefix partials merged there).
+    needed = (tile >= 0) | (suffix_count != 1)
+    if FUSE:
+        needed = suffix_count != 1
+    if needed:
         prefix_first = tl.zeros([], dtype=tl.int32)
         prefix_count = tl.zeros([], dtype=tl.int32)
         if tile >= 0:

@@ -301,9 +301,16 @@ def launch_attention(
     prefix_stages = knobs.prefix_num_stages if knobs.prefix_num_stages is not None else config.num_stages
     if wide:
         prefix_warps, prefix_stages = max(prefix_warps, 8), min(prefix_stages, 2)
-    split = knobs.split_passes or config.split_passes
+    fuse = fused_combine(plan)
+    split = knobs.split_passes or config.split_passes or fuse
     if passes is None:
         passes = (1, 2) if split and plan.shares else (0,)
+    # A pass alone is allowed for timing; the suffix pass then reads what the last prefix pass left.
+    if fuse and passes not in ((1, 2), (1,), (2,)):
+        raise PlanError(
+            "a plan with fuse_combine runs the prefix pass, then the suffix pass (passes=(1, 2)); got "
+            f"passes={passes}. Leave passes unset, or plan with fuse_combine=False."
+        )
     if 1 in passes and not plan.shares:
         raise PlanError("a prefix pass needs a plan with groups (plan_forest), got a plan without (plan_paged).")
     table = plan.block_table
@@ -327,6 +334,7 @@ def launch_attention(
             plan.seq_lens,
             plan.prefix_blocks,
             plan.tile_of,
+            plan.slot_in_tile,
             plan.tile_leader,
             plan.tile_prefix_blocks,
             plan.tile_member_start,
@@ -362,6 +370,7 @@ def launch_attention(
             head_dim,
             num_kv_heads,
             HAS_PREFIX=plan.shares,
+            FUSE=fuse,
             OWNERS_BLOCK=owners_block,
             G=group_size,
             QMAX=query_max,
@@ -379,7 +388,8 @@ def launch_attention(
             num_stages=stages,
         )
 
-    if (knobs.side_stream or config.split_passes) and passes == (1, 2) and query.is_cuda:
+    # With a fused combine the suffix pass reads the prefix pass's partials: both stay on one stream, in order.
+    if (knobs.side_stream or config.split_passes) and not fuse and passes == (1, 2) and query.is_cuda:
         main = torch.cuda.current_stream(query.device)
         side = _side_stream(query.device.index if query.device.index is not None else torch.cuda.current_device())
         side.wait_stream(main)
@@ -389,6 +399,12 @@ def launch_attention(
         main.wait_stream(side)
         return compiled
     return [launch(which) for which in passes]
+
+
+def fused_combine(plan: ForestPlan) -> bool:
+    """Whether the suffix pass merges prefix partials itself (``ForestKernelConfig.fuse_combine``, plans with
+    groups only)."""
+    return plan.config.fuse_combine and plan.shares
 
 
 def launch_combine(
@@ -427,6 +443,7 @@ def launch_combine(
         plan.num_kv_heads,
         dim_chunks,
         HAS_PREFIX=plan.shares,
+        FUSE=fused_combine(plan),
         G=plan.queries_per_kv,
         QMAX=plan.max_query_len,
         PREFIX_BLOCK_M=plan.prefix_block_m,

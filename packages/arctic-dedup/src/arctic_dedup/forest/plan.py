@@ -79,6 +79,10 @@ class ForestKernelConfig:
         split_passes: prefix items run as their own launch (``num_warps`` / ``num_stages`` for both), on a side
             stream beside the suffix launch on CUDA (two branches of a captured graph, joined before the combine);
             ignored by plans without groups.
+        fuse_combine: the prefix launch runs first and the suffix launch after it on the same stream; a request
+            whose suffix is one item merges its prefix partials in that item and writes its output, so the combine
+            only serves requests with several suffix items (implies ``split_passes``, without the side stream);
+            ignored by plans without groups.
     """
 
     prefix_block_m: int = 64
@@ -91,6 +95,7 @@ class ForestKernelConfig:
     split_granularity: int = 128
     multiprocessors: int | None = None
     split_passes: bool = False
+    fuse_combine: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefix_block_m", "prefix_block_n", "suffix_block_n"):
