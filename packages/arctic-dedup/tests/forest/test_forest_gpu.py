@@ -62,26 +62,32 @@ def _check(out: torch.Tensor, lse: torch.Tensor, batch: DecodeBatch, scale: floa
 LATIN = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]
 
 
-@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN)
-def test_forest_decode_bf16_matches_reference(block_size: int, queries_per_kv: int, head_dim: int) -> None:
-    seed = block_size * 1000 + queries_per_kv * 10 + head_dim
-    batch = _random_batch(seed, block_size, queries_per_kv, head_dim, max_query_len=1 + seed % 4)
-    scale = head_dim**-0.5
+def _forest_decode_and_check(batch: DecodeBatch, queries_per_kv: int, config: ForestKernelConfig) -> None:
+    """Plan with ``config``, decode into NaN-filled outputs, compare with the fp32 reference."""
+    scale = batch.query.shape[2] ** -0.5
     plan = plan_forest(
         batch.block_table,
         batch.seq_lens,
         batch.query_start_loc,
-        block_size=block_size,
+        block_size=batch.key_cache.shape[1],
         num_cache_blocks=batch.key_cache.shape[0],
         max_query_len=batch.max_query_len,
         queries_per_kv=queries_per_kv,
         num_kv_heads=2,
-        config=ForestKernelConfig(split_granularity=64),
+        config=config,
     )
     out = torch.full_like(batch.query, float("nan"))
     lse = torch.full(batch.query.shape[:2], float("nan"), device="cuda")
     forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, scale, out=out, lse=lse)
     _check(out, lse, batch, scale)
+
+
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN)
+def test_forest_decode_bf16_matches_reference(block_size: int, queries_per_kv: int, head_dim: int) -> None:
+    seed = block_size * 1000 + queries_per_kv * 10 + head_dim
+    batch = _random_batch(seed, block_size, queries_per_kv, head_dim, max_query_len=1 + seed % 4)
+    scale = head_dim**-0.5
+    _forest_decode_and_check(batch, queries_per_kv, ForestKernelConfig(split_granularity=64))
     paged_out, paged_lse = paged_decode(
         batch.query,
         batch.key_cache,
@@ -100,22 +106,8 @@ def test_fused_combine_bf16_matches_reference(block_size: int, queries_per_kv: i
     # The suffix pass merges the prefix partials of one-item suffixes itself (ForestKernelConfig.fuse_combine).
     seed = block_size * 1000 + queries_per_kv * 10 + head_dim + 1
     batch = _random_batch(seed, block_size, queries_per_kv, head_dim, max_query_len=1 + seed % 4)
-    scale = head_dim**-0.5
-    plan = plan_forest(
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
-        block_size=block_size,
-        num_cache_blocks=batch.key_cache.shape[0],
-        max_query_len=batch.max_query_len,
-        queries_per_kv=queries_per_kv,
-        num_kv_heads=2,
-        config=ForestKernelConfig(split_granularity=64, prefix_block_n=64, suffix_block_n=64, fuse_combine=True),
-    )
-    out = torch.full_like(batch.query, float("nan"))
-    lse = torch.full(batch.query.shape[:2], float("nan"), device="cuda")
-    forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, scale, out=out, lse=lse)
-    _check(out, lse, batch, scale)
+    config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, suffix_block_n=64, fuse_combine=True)
+    _forest_decode_and_check(batch, queries_per_kv, config)
 
 
 def test_head_major_cache_and_fp32() -> None:
