@@ -135,7 +135,7 @@ def build_gated_delta_schedule(plan: Plan, conv_width: int) -> GatedDeltaSchedul
         row_in_level[nodes] = torch.arange(nodes.numel(), device=device)
         padded_rows = torch.nonzero(padded_index >= 0).squeeze(1)
         token_index = padded_index[padded_rows]
-        first = int(token_index[0])
+        first = int(token_index[0]) if token_index.numel() else 0
         contiguous = bool((token_index == first + torch.arange(token_index.numel(), device=device)).all())
         levels.append(
             GatedDeltaLevel(
