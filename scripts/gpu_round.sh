@@ -29,6 +29,7 @@
 #   tree-sweep     tree-attention backward variants                      (~2 min)
 #   fca-decode     the forest decode benchmark                           (~3 min)
 #   fca-diagnose   forest decode diagnosis                               (~3 min)
+#   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
 #   pack-unpack    pack/unpack bandwidth sweep                           (~1 min)
 # The exit status is that of the last stage that failed (0 when all succeeded).
 set -uo pipefail
@@ -93,6 +94,8 @@ for stage in "$@"; do
     fca-decode) run fca_decode 240 python3 benchmarks/fca_decode.py --out "$out" ;;
     tree-sweep) run tree_sweep 240 python3 benchmarks/tree_attention.py --bwd-sweep --out "$out" ;;
     fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" ;;
+    forest-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run forest_tests 240 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider -rs packages/arctic-dedup/tests/forest/test_forest_gpu.py ;;
     pack-unpack) run pack_unpack 150 python3 benchmarks/pack_unpack.py --out "$out" ;;
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
   esac
