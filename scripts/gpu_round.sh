@@ -86,7 +86,7 @@ for stage in "$@"; do
     zorro-sweep-ends) run zorro_sweep_ends 330 "${zorro[@]}" --sections sweep --sweep-prompts 512 32768 ;;
     zorro-memory) run zorro_memory 420 "${zorro[@]}" --sections memory --dedup-backends sdpa ;;
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
-    zorro-profile-hybrid) run zorro_profile_hybrid "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py --model hybrid \
+    zorro-profile-hybrid) run zorro_profile_hybrid "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py --model hybrid --backend sdpa \
       --time-despite-fla-640 --baseline-samples 1 --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
     tree-quick) run tree_quick 200 python3 benchmarks/tree_attention.py --quick --budget-s 170 --out "$out" ;;
