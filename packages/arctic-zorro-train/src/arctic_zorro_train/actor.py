@@ -11,6 +11,7 @@ from torch import nn
 from arctic_dedup.attention import TreeAttentionBackend
 from arctic_dedup.plan import PrefixSharing
 from arctic_zorro_train.forward import ZorroOutput, zorro_forward
+from arctic_zorro_train.fused import FusedKernels
 from arctic_zorro_train.loading import load_model
 from arctic_zorro_train.logprobs import LogitsMode
 from arctic_zorro_train.loss import ppo_policy_loss
@@ -41,7 +42,8 @@ class DeduplicatedActor:
         attn_implementation: transformers attention implementation the model is loaded with (used for plain calls).
         dtype: parameter dtype when loading.
         clip_ratio / kl_coef: PPO clip range and k1 KL coefficient (the KL term needs ``ref_log_prob``).
-        sharing / attention_backend / deduplicate / logits_chunk_size / fp32_logits: see ``ZorroSettings``.
+        sharing / attention_backend / deduplicate / logits_chunk_size / fp32_logits / fused_kernels: see
+            ``ZorroSettings``.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class DeduplicatedActor:
         deduplicate: bool = True,
         logits_chunk_size: int = 1024,
         fp32_logits: bool = False,
+        fused_kernels: FusedKernels = "auto",
     ) -> None:
         if isinstance(model_name_or_path, nn.Module):
             self.model = model_name_or_path.to(device)
@@ -80,6 +83,7 @@ class DeduplicatedActor:
             deduplicate=deduplicate,
             logits_chunk_size=logits_chunk_size,
             fp32_logits=fp32_logits,
+            fused_kernels=fused_kernels,
         )
 
     def forward(self, batch: Batch, temperature: float = 1.0, calculate_entropy: bool = False) -> ZorroOutput:

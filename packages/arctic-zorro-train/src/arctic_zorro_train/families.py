@@ -83,6 +83,10 @@ class ArchitectureTable:
     attention_classes: tuple[str, ...]
     linear_attention: LinearAttentionTable | None = None
     router_classes: tuple[str, ...] = ()
+    # RMSNorm classes with a fused kernel (``arctic_zorro_train.fused``): ``x_hat * (1 + weight)`` ones and the
+    # gated ones of the Gated DeltaNet layers (``weight * x_hat * silu(gate)``).
+    zero_centered_norm_classes: tuple[str, ...] = ()
+    gated_norm_classes: tuple[str, ...] = ()
 
     @property
     def is_hybrid(self) -> bool:
@@ -108,6 +112,8 @@ QWEN3_NEXT = ArchitectureTable(
     attention_classes=("Qwen3NextAttention",),
     linear_attention=LinearAttentionTable(("Qwen3NextGatedDeltaNet",), _qwen3_next_projections),
     router_classes=("Qwen3NextTopKRouter",),
+    zero_centered_norm_classes=("Qwen3NextRMSNorm",),
+    gated_norm_classes=("Qwen3NextRMSNormGated",),
 )
 
 # Qwen3.5 / Qwen3.6 checkpoints: the VLM wrapper has model_type "qwen3_5", its text config "qwen3_5_text".
@@ -116,6 +122,8 @@ QWEN3_5 = ArchitectureTable(
     model_types=("qwen3_5", "qwen3_5_text"),
     attention_classes=("Qwen3_5Attention",),
     linear_attention=LinearAttentionTable(("Qwen3_5GatedDeltaNet",), _qwen3_5_projections),
+    zero_centered_norm_classes=("Qwen3_5RMSNorm",),
+    gated_norm_classes=("Qwen3_5RMSNormGated",),
 )
 
 QWEN3_5_MOE = ArchitectureTable(
@@ -124,6 +132,8 @@ QWEN3_5_MOE = ArchitectureTable(
     attention_classes=("Qwen3_5MoeAttention",),
     linear_attention=LinearAttentionTable(("Qwen3_5MoeGatedDeltaNet",), _qwen3_5_projections),
     router_classes=("Qwen3_5MoeTopKRouter",),
+    zero_centered_norm_classes=("Qwen3_5MoeRMSNorm",),
+    gated_norm_classes=("Qwen3_5MoeRMSNormGated",),
 )
 
 # The generic path: Llama-like models whose attention is the stock transformers attention (projections, RoPE, then

@@ -162,19 +162,30 @@ def build_gated_delta_schedule(plan: Plan, conv_width: int) -> GatedDeltaSchedul
 
 
 def tree_causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, schedule: GatedDeltaSchedule
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    schedule: GatedDeltaSchedule,
+    *,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Depthwise causal conv along every sample's path. x ``[T, C]``, weight ``[C, K]`` -> ``[T, C]`` (no activation).
 
-    Matches ``F.conv1d`` with left padding ``K - 1`` on each sample's own sequence.
+    Matches ``F.conv1d`` with left padding ``K - 1`` on each sample's own sequence. ``fused``: the whole-stream conv
+    runs as ``arctic_zorro_train.kernels.causal_conv`` on the ``[T, C]`` layout (no transposed copies).
     """
     num_tokens, channels = x.shape
     width = weight.shape[1]
     if width != schedule.conv_width:
         raise ValueError(f"the conv has width {width} but the schedule was built for {schedule.conv_width}.")
     x = x.to(weight.dtype)
-    whole = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=channels)
-    whole = whole.squeeze(0)[:, :num_tokens].t()  # squeeze: [0]'s backward would zero-fill [1, C, T+K-1] and copy
+    if fused:
+        from arctic_zorro_train.kernels.causal_conv import causal_depthwise_conv
+
+        whole = causal_depthwise_conv(x, weight, bias)
+    else:
+        whole = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=channels)
+        whole = whole.squeeze(0)[:, :num_tokens].t()  # squeeze: [0]'s backward would zero-fill [1, C, T+K-1], copy
     lags = schedule.fix_lags
     window = x.index_select(0, lags.clamp_min(0).reshape(-1)).view(lags.shape[0], width, channels)
     window = window * (lags >= 0).unsqueeze(-1).to(window.dtype)
@@ -324,16 +335,22 @@ def gated_delta_tree_forward(
     hidden_states: torch.Tensor,
     schedule: GatedDeltaSchedule,
     projections: Callable[[Any, torch.Tensor], GatedDeltaInputs],
+    *,
+    fused_conv: bool = False,
 ) -> torch.Tensor:
-    """A transformers Gated DeltaNet layer's forward over the packed stream ``[1, T, hidden]`` -> ``[1, T, hidden]``."""
+    """A transformers Gated DeltaNet layer's forward over the packed stream ``[1, T, hidden]`` -> ``[1, T, hidden]``.
+
+    The activation runs on each of q, k and v separately, so each comes out contiguous (fla's kernels would copy
+    the strided views of one activated tensor; the split's backward is one concatenation either way)."""
     from transformers.activations import ACT2FN
 
     num_tokens = hidden_states.shape[1]
     inputs = projections(module, hidden_states)
     conv = module.conv1d
-    mixed = tree_causal_conv(inputs.mixed_qkv, conv.weight.squeeze(1), conv.bias, schedule)
-    mixed = ACT2FN[module.activation](mixed).to(hidden_states.dtype)
-    query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    mixed = tree_causal_conv(inputs.mixed_qkv, conv.weight.squeeze(1), conv.bias, schedule, fused=fused_conv)
+    activation = ACT2FN[module.activation]
+    parts = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query, key, value = (activation(part).to(hidden_states.dtype) for part in parts)
     query = query.reshape(num_tokens, -1, module.head_k_dim)
     key = key.reshape(num_tokens, -1, module.head_k_dim)
     value = value.reshape(num_tokens, -1, module.head_v_dim)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from arctic_zorro_train.attention import AttentionConfigView, register_zorro_att
 from arctic_zorro_train.context import CONTEXT_KWARG, ZorroContext
 from arctic_zorro_train.errors import ZorroPatchError
 from arctic_zorro_train.families import ArchitectureTable, GatedDeltaInputs, resolve_architecture
+from arctic_zorro_train.fused import FusedKernels, fused_norm_forward, use_fused_kernels
 from arctic_zorro_train.gated_delta import gated_delta_tree_forward
 from arctic_zorro_train.settings import ZorroSettings
 
@@ -102,7 +103,9 @@ class QwenAttentionPatcher:
 
 
 def _gated_delta_forward(
-    module: nn.Module, projections: Callable[[Any, torch.Tensor], GatedDeltaInputs]
+    module: nn.Module,
+    projections: Callable[[Any, torch.Tensor], GatedDeltaInputs],
+    mode_of: Callable[[], FusedKernels],
 ) -> Callable[..., torch.Tensor]:
     original = type(module).forward
 
@@ -120,7 +123,8 @@ def _gated_delta_forward(
                 "a Gated DeltaNet layer got a zorro context without a schedule or with a cache; deduplicated runs "
                 "are training/log-prob forwards with use_cache=False."
             )
-        return gated_delta_tree_forward(module, hidden_states, context.gated_delta, projections)
+        fused = use_fused_kernels(mode_of(), hidden_states)
+        return gated_delta_tree_forward(module, hidden_states, context.gated_delta, projections, fused_conv=fused)
 
     return forward
 
@@ -244,10 +248,24 @@ def apply_zorro(
     )
     for patcher in patchers:
         patcher.patch()
+
+    def mode_of() -> FusedKernels:  # read at call time: apply_zorro on a patched model updates the settings
+        return patch.settings.fused_kernels
+
     if architecture.linear_attention is not None:
         projections = architecture.linear_attention.projections
         for module in linear_attention:
-            patch.undo_steps.append(_set_attribute(module, "forward", _gated_delta_forward(module, projections)))
+            forward = _gated_delta_forward(module, projections, mode_of)
+            patch.undo_steps.append(_set_attribute(module, "forward", forward))
+    for module in backbone.modules():
+        name = type(module).__name__
+        kind: Literal["zero_centered", "gated"] | None = None
+        if name in architecture.gated_norm_classes:
+            kind = "gated"
+        elif name in architecture.zero_centered_norm_classes:
+            kind = "zero_centered"
+        if kind is not None:
+            patch.undo_steps.append(_set_attribute(module, "forward", fused_norm_forward(module, kind, mode_of)))
     patch.undo_steps.append(_set_attribute(model, PATCH_ATTRIBUTE, patch))
     if patch_forward:
         _patch_forward(patch)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from arctic_dedup.attention import TreeAttentionBackend
 from arctic_dedup.plan import PrefixSharing
+from arctic_zorro_train.fused import FUSED_KERNEL_MODES, FusedKernels
 from arctic_zorro_train.logprobs import LOGITS_MODES, LogitsMode
 
 __all__ = ["ZorroSettings"]
@@ -19,7 +20,9 @@ class ZorroSettings:
     logits_mode / logits_chunk_size / fp32_logits: see ``token_logprobs``; sharing: ``"prompt"`` or ``"trie"``;
     response_length / temperature / rollout_n: defaults for calls of the patched ``model(...)`` (``rollout_n`` is
     informational: groups are found from the token ids, whatever their size); deduplicate: False runs the same
-    packed path without sharing (the baseline)."""
+    packed path without sharing (the baseline); fused_kernels: ``"auto"`` runs the hybrid families' RMSNorms, gated
+    RMSNorms and Gated DeltaNet conv as fused Triton kernels on CUDA (same formulas, see ``arctic_zorro_train.fused``),
+    ``"always"`` also on CPU under ``TRITON_INTERPRET=1``, ``"never"`` keeps transformers' torch code."""
 
     use_split_attention: bool = True
     attention_backend: TreeAttentionBackend = "auto"
@@ -31,10 +34,13 @@ class ZorroSettings:
     temperature: float = 1.0
     rollout_n: int | None = None
     deduplicate: bool = True
+    fused_kernels: FusedKernels = "auto"
 
     def __post_init__(self) -> None:
         if self.logits_mode not in LOGITS_MODES:
             raise ValueError(f"logits_mode must be one of {LOGITS_MODES}, got {self.logits_mode!r}.")
+        if self.fused_kernels not in FUSED_KERNEL_MODES:
+            raise ValueError(f"fused_kernels must be one of {FUSED_KERNEL_MODES}, got {self.fused_kernels!r}.")
         if self.sharing not in ("prompt", "trie"):
             raise ValueError(f"sharing must be 'prompt' or 'trie', got {self.sharing!r}.")
         if self.temperature <= 0:

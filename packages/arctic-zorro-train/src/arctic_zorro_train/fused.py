@@ -1,0 +1,80 @@
+"""Where a patched model runs fused Triton kernels instead of transformers' torch code (``fused_kernels`` setting).
+
+On the H200 the hybrid families' torch glue around the big matrix multiplies costs more than the Gated DeltaNet
+kernels themselves (``benchmarks/results/zorro_profile_hybrid.json``): every RMSNorm is ~6 fp32 elementwise passes
+forward and more backward, the gated RMSNorm of every Gated DeltaNet layer the same over ``[tokens * heads, 128]``,
+and the depthwise causal conv runs cuDNN-less ``conv_depthwise2d`` over a transposed copy. The kernels in
+``arctic_zorro_train.kernels`` compute the same formulas (casts included) in one pass each way; they serve the
+deduplicated run and the non-deduplicated baseline alike, so they change no speedup, only how fast both run.
+
+Modes: ``"auto"`` (default) uses them on CUDA tensors; ``"always"`` also on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, for tests); ``"never"`` keeps transformers' code everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from arctic_dedup._triton_support import interpreting, triton_available
+from arctic_zorro_train.errors import ZorroPatchError
+
+__all__ = ["FUSED_KERNEL_MODES", "FusedKernels", "fused_norm_forward", "use_fused_kernels"]
+
+FusedKernels = Literal["auto", "always", "never"]
+FUSED_KERNEL_MODES: tuple[str, ...] = ("auto", "always", "never")
+
+
+def use_fused_kernels(mode: FusedKernels, tensor: torch.Tensor) -> bool:
+    """Whether a fused kernel runs on ``tensor`` under ``mode`` (see the module docstring)."""
+    if mode == "never":
+        return False
+    if tensor.is_cuda:
+        return triton_available()
+    if mode == "always":
+        if tensor.device.type == "cpu" and interpreting() and triton_available():
+            return True
+        raise ZorroPatchError(
+            f"fused_kernels='always' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before triton "
+            f"is imported; got a {tensor.device.type} tensor (interpreter: {interpreting()}). Use "
+            "fused_kernels='auto' (CUDA only) or 'never'."
+        )
+    return False
+
+
+def fused_norm_forward(
+    module: nn.Module, kind: Literal["zero_centered", "gated"], mode_of: Callable[[], FusedKernels]
+) -> Callable[..., torch.Tensor]:
+    """A forward for one transformers RMSNorm module that runs the fused kernel where ``mode_of()`` allows it.
+
+    ``kind``: ``"zero_centered"`` for ``Qwen3_5RMSNorm``-like modules (``x_hat * (1 + weight)``, attribute ``eps``),
+    ``"gated"`` for ``Qwen3_5RMSNormGated``-like ones (``weight * x_hat * silu(gate)``, ``variance_epsilon``).
+    """
+    original: Any = type(module).forward
+    attributes: Any = module
+    # The weight is read at call time (ZeRO-3 and state-dict loading may swap what ``module.weight`` holds); the
+    # kernels are imported at first use, so triton is imported only where it runs (after TRITON_INTERPRET is set).
+    if kind == "zero_centered":
+        eps = float(attributes.eps)
+
+        def zero_centered(hidden_states: torch.Tensor) -> torch.Tensor:
+            if use_fused_kernels(mode_of(), hidden_states):
+                from arctic_zorro_train.kernels.norms import zero_centered_rms_norm
+
+                return zero_centered_rms_norm(hidden_states, attributes.weight, eps)
+            return original(module, hidden_states)  # type: ignore[no-any-return]
+
+        return zero_centered
+    gated_eps = float(attributes.variance_epsilon)
+
+    def gated(hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(mode_of(), hidden_states):
+            from arctic_zorro_train.kernels.norms import gated_rms_norm
+
+            return gated_rms_norm(hidden_states, gate, attributes.weight, gated_eps)
+        return original(module, hidden_states, gate)  # type: ignore[no-any-return]
+
+    return gated

@@ -1,0 +1,500 @@
+# mypy: disable-error-code="no-untyped-def"
+"""Fused RMS norms of Qwen3.5 / Qwen3-Next: one Triton pass forward, one backward, instead of ~8 fp32 torch passes.
+
+``zero_centered_rms_norm`` is ``Qwen3_5RMSNorm`` (scale ``1 + weight``); ``gated_rms_norm`` is
+``Qwen3_5RMSNormGated`` (norm, ``weight *`` in the promoted dtype, ``* silu(gate)``). Both run over rows ``[R, D]``:
+short rows share a program (``BLOCK_ROWS`` rows of ``BLOCK_WIDTH = next_power_of_2(D)`` columns), a row up to
+``MAX_WIDTH`` wide fits one program. The backward saves only the inputs and the per-row ``rstd`` (fp32) and
+recomputes the rest; each backward program loops over row blocks and writes its share of the weight gradient to
+one row of an fp32 ``[programs, D]`` buffer that torch sums (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+__all__ = ["MAX_WIDTH", "fused_norms_usable", "gated_rms_norm", "zero_centered_rms_norm"]
+
+# The widest row one program holds in registers (fp32 ``x``, gradient and weight at 16 warps).
+MAX_WIDTH = 32768
+# Tests set this to fill every new output with NaN, so an element a kernel forgets to write fails the comparison.
+poison_outputs = False
+
+# Elements per program: short rows are grouped until a program holds about this many (D=128: 32 rows).
+_ELEMENTS_PER_PROGRAM = 4096
+# Backward warps per multiprocessor: each program loops over row blocks, so this also sets the weight-gradient
+# buffer's rows. H200, bf16: the gated norm's backward over [278528, 128] takes 117 us at 16 (3.0 TB/s), 119 us at
+# 32, 159 us at 8; the zero-centered one over [8704, 2560] 61 us at 16, 53 us at 64.
+_BACKWARD_WARPS_PER_SM = 16
+# Under the interpreter programs run one after another; a few keep the loop and the partial sums exercised.
+_INTERPRETED_BACKWARD_PROGRAMS = 3
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_TRITON_DTYPES = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
+
+
+@triton.jit
+def _rounded(value, dtype: tl.constexpr):
+    """fp32 ``value`` rounded to nearest even in ``dtype``, returned as fp32.
+
+    bf16 rounds on the bits: Triton's interpreter truncates fp32 -> bf16 casts, and this is exactly what the GPU's
+    round-to-nearest-even conversion gives, so the same code is exact on both (NaNs pass through unchanged).
+    """
+    if dtype == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return tl.where(value != value, value, bits.to(tl.float32, bitcast=True))
+    else:
+        return value.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _cast(value, dtype: tl.constexpr):
+    """``value`` converted to ``dtype`` with round-to-nearest-even (see ``_rounded``)."""
+    if value.dtype == tl.float64:
+        return value.to(dtype)
+    else:
+        return _rounded(value, dtype).to(dtype)
+
+
+@triton.jit
+def _zero_centered_forward_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    rstd_ptr,
+    num_rows,
+    width,
+    x_row_stride,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WIDTH: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    columns = tl.arange(0, BLOCK_WIDTH)
+    row_mask = rows < num_rows
+    column_mask = columns < width
+    mask = row_mask[:, None] & column_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    scale = 1.0 + tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)
+    out = x * rstd[:, None] * scale[None, :]
+    tl.store(out_ptr + rows[:, None] * width + columns[None, :], _cast(out, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _zero_centered_backward_kernel(
+    x_ptr,
+    weight_ptr,
+    rstd_ptr,
+    grad_out_ptr,
+    grad_x_ptr,
+    grad_weight_partial_ptr,
+    num_rows,
+    width,
+    x_row_stride,
+    grad_out_row_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WIDTH: tl.constexpr,
+):
+    program = tl.program_id(0)
+    columns = tl.arange(0, BLOCK_WIDTH)
+    column_mask = columns < width
+    scale = 1.0 + tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)
+    grad_weight = tl.zeros([BLOCK_ROWS, BLOCK_WIDTH], dtype=tl.float32)
+    for block in range(program, tl.cdiv(num_rows, BLOCK_ROWS), tl.num_programs(0)):
+        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+        row_mask = rows < num_rows
+        mask = row_mask[:, None] & column_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+        grad_out = tl.load(
+            grad_out_ptr + rows[:, None] * grad_out_row_stride + columns[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        normed = x * rstd[:, None]
+        grad_weight += grad_out * normed
+        grad_normed = grad_out * scale[None, :]
+        # d(x * rstd)/dx: rstd * (g - normed * mean(g * normed)) per row.
+        projection = tl.sum(grad_normed * normed, axis=1) / width
+        grad_x = rstd[:, None] * (grad_normed - normed * projection[:, None])
+        tl.store(
+            grad_x_ptr + rows[:, None] * width + columns[None, :],
+            _cast(grad_x, grad_x_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    tl.store(grad_weight_partial_ptr + program * width + columns, tl.sum(grad_weight, axis=0), mask=column_mask)
+
+
+@triton.jit
+def _gated_forward_kernel(
+    x_ptr,
+    gate_ptr,
+    weight_ptr,
+    out_ptr,
+    rstd_ptr,
+    num_rows,
+    width,
+    x_row_stride,
+    gate_row_stride,
+    eps,
+    PRODUCT_DTYPE: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WIDTH: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    columns = tl.arange(0, BLOCK_WIDTH)
+    row_mask = rows < num_rows
+    column_mask = columns < width
+    mask = row_mask[:, None] & column_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    # transformers: h.to(input_dtype), then weight * h in promote_types(weight, input), then * silu(gate.float()).
+    normed = _rounded(x * rstd[:, None], x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(COMPUTE_DTYPE)
+    product = weight[None, :] * normed.to(COMPUTE_DTYPE)
+    if ROUND_PRODUCT:
+        # The fp32 product of two bf16 (or fp16) values is exact, so this is torch's rounded low-precision product.
+        product = _rounded(product, PRODUCT_DTYPE)
+    gate = tl.load(gate_ptr + rows[:, None] * gate_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    silu = gate * tl.sigmoid(gate)
+    out = product * silu.to(COMPUTE_DTYPE)
+    tl.store(out_ptr + rows[:, None] * width + columns[None, :], _cast(out, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _gated_backward_kernel(
+    x_ptr,
+    gate_ptr,
+    weight_ptr,
+    rstd_ptr,
+    grad_out_ptr,
+    grad_x_ptr,
+    grad_gate_ptr,
+    grad_weight_partial_ptr,
+    num_rows,
+    width,
+    x_row_stride,
+    gate_row_stride,
+    grad_out_row_stride,
+    PRODUCT_DTYPE: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WIDTH: tl.constexpr,
+):
+    program = tl.program_id(0)
+    columns = tl.arange(0, BLOCK_WIDTH)
+    column_mask = columns < width
+    weight = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)
+    grad_weight = tl.zeros([BLOCK_ROWS, BLOCK_WIDTH], dtype=tl.float32)
+    for block in range(program, tl.cdiv(num_rows, BLOCK_ROWS), tl.num_programs(0)):
+        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+        row_mask = rows < num_rows
+        mask = row_mask[:, None] & column_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + rows[:, None] * gate_row_stride + columns[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        grad_out = tl.load(
+            grad_out_ptr + rows[:, None] * grad_out_row_stride + columns[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        # Recompute the forward's values, roundings included: autograd multiplies by what the forward produced.
+        normed = x * rstd[:, None]
+        normed_rounded = _rounded(normed, x_ptr.dtype.element_ty)
+        product = weight[None, :] * normed_rounded
+        if ROUND_PRODUCT:
+            product = _rounded(product, PRODUCT_DTYPE)
+        sigmoid = tl.sigmoid(gate)
+        grad_product = grad_out * gate * sigmoid
+        # silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
+        grad_gate = grad_out * product * sigmoid * (1.0 + gate * (1.0 - sigmoid))
+        grad_weight += grad_product * normed_rounded
+        grad_normed = grad_product * weight[None, :]
+        projection = tl.sum(grad_normed * normed, axis=1) / width
+        grad_x = rstd[:, None] * (grad_normed - normed * projection[:, None])
+        outputs = rows[:, None] * width + columns[None, :]
+        tl.store(grad_x_ptr + outputs, _cast(grad_x, grad_x_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_gate_ptr + outputs, _cast(grad_gate, grad_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_weight_partial_ptr + program * width + columns, tl.sum(grad_weight, axis=0), mask=column_mask)
+
+
+@dataclass(frozen=True)
+class _RowTiling:
+    """How rows ``[R, D]`` map onto programs: ``block_rows`` rows of ``block_width`` columns each."""
+
+    block_rows: int
+    block_width: int
+    num_warps: int
+
+    def row_blocks(self, num_rows: int) -> int:
+        return triton.cdiv(num_rows, self.block_rows)
+
+
+def _row_tiling(num_rows: int, width: int) -> _RowTiling:
+    block_width = triton.next_power_of_2(width)
+    block_rows = max(1, min(_ELEMENTS_PER_PROGRAM // block_width, triton.next_power_of_2(max(num_rows, 1))))
+    # About 8-32 fp32 values of each tensor per thread.
+    num_warps = min(16, max(4, block_rows * block_width // 512))
+    return _RowTiling(block_rows=block_rows, block_width=block_width, num_warps=num_warps)
+
+
+@functools.cache
+def _multiprocessor_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def _backward_programs(device: torch.device, tiling: _RowTiling, num_rows: int) -> int:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = _multiprocessor_count(index) * max(1, _BACKWARD_WARPS_PER_SM // tiling.num_warps)
+    else:
+        programs = _INTERPRETED_BACKWARD_PROGRAMS
+    return max(1, min(programs, tiling.row_blocks(num_rows)))
+
+
+def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if poison_outputs:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _check_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+    supported = ", ".join(str(dtype) for dtype in _SUPPORTED_DTYPES)
+    named = {"x": x, "weight": weight} if gate is None else {"x": x, "gate": gate, "weight": weight}
+    for label, tensor in named.items():
+        if tensor.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name}: {label} must be one of {supported}; got {tensor.dtype}. Cast it first.")
+        if tensor.device != x.device:
+            raise ValueError(
+                f"{name}: {label} is on {tensor.device} but x is on {x.device}; move every input to one device."
+            )
+    if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"{name}: expected x [..., D] and weight [D]; got x {tuple(x.shape)} and weight {tuple(weight.shape)}. "
+            "Pass the norm's own weight (hidden size D) and inputs whose last dimension is D."
+        )
+    width = weight.shape[0]
+    if not 1 <= width <= MAX_WIDTH:
+        raise ValueError(
+            f"{name}: the fused kernel takes rows of 1 to {MAX_WIDTH} elements; got D = {width}. "
+            "Use the transformers module for wider rows."
+        )
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(
+            f"{name}: gate must have x's shape {tuple(x.shape)}; got {tuple(gate.shape)}. Pass the gate projection "
+            "for the same tokens and heads as x."
+        )
+    if gate is not None and weight.dtype == torch.float64 and x.dtype != torch.float64:
+        raise ValueError(
+            f"{name}: a float64 weight needs float64 x; got x {x.dtype}. Pass weight.to(x.dtype) or weight.float()."
+        )
+
+
+class _ZeroCenteredRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        num_rows, width = x.shape
+        tiling = _row_tiling(num_rows, width)
+        out = _new_output((num_rows, width), x.dtype, x.device)
+        rstd = _new_output((num_rows,), torch.float32, x.device)
+        if num_rows > 0:
+            _zero_centered_forward_kernel[(tiling.row_blocks(num_rows),)](
+                x,
+                weight,
+                out,
+                rstd,
+                num_rows,
+                width,
+                x.stride(0),
+                eps,
+                BLOCK_ROWS=tiling.block_rows,
+                BLOCK_WIDTH=tiling.block_width,
+                num_warps=tiling.num_warps,
+            )
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        grad_out = _last_dim_contiguous(grad_out)
+        num_rows, width = x.shape
+        tiling = _row_tiling(num_rows, width)
+        programs = _backward_programs(x.device, tiling, num_rows)
+        grad_x = _new_output((num_rows, width), x.dtype, x.device)
+        grad_weight_partial = _new_output((programs, width), torch.float32, x.device)
+        if num_rows > 0:
+            _zero_centered_backward_kernel[(programs,)](
+                x,
+                weight,
+                rstd,
+                grad_out,
+                grad_x,
+                grad_weight_partial,
+                num_rows,
+                width,
+                x.stride(0),
+                grad_out.stride(0),
+                BLOCK_ROWS=tiling.block_rows,
+                BLOCK_WIDTH=tiling.block_width,
+                num_warps=tiling.num_warps,
+            )
+        else:
+            grad_weight_partial.zero_()
+        return grad_x, grad_weight_partial.sum(0).to(weight.dtype), None
+
+
+def _product_constants(weight_dtype: torch.dtype, x_dtype: torch.dtype) -> dict[str, Any]:
+    """The gated product's dtype (torch's ``promote_types(weight, x)``) and whether it rounds below fp32."""
+    product_dtype = torch.promote_types(weight_dtype, x_dtype)
+    return {"PRODUCT_DTYPE": _TRITON_DTYPES[product_dtype], "ROUND_PRODUCT": product_dtype.itemsize < 4}
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        num_rows, width = x.shape
+        tiling = _row_tiling(num_rows, width)
+        out = _new_output((num_rows, width), x.dtype, x.device)
+        rstd = _new_output((num_rows,), torch.float32, x.device)
+        if num_rows > 0:
+            _gated_forward_kernel[(tiling.row_blocks(num_rows),)](
+                x,
+                gate,
+                weight,
+                out,
+                rstd,
+                num_rows,
+                width,
+                x.stride(0),
+                gate.stride(0),
+                eps,
+                # fp64 when the product is (torch then multiplies by silu in fp64 too), fp32 otherwise.
+                COMPUTE_DTYPE=tl.float64 if torch.promote_types(weight.dtype, x.dtype) == torch.float64 else tl.float32,
+                **_product_constants(weight.dtype, x.dtype),
+                BLOCK_ROWS=tiling.block_rows,
+                BLOCK_WIDTH=tiling.block_width,
+                num_warps=tiling.num_warps,
+            )
+        ctx.save_for_backward(x, gate, weight, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        x, gate, weight, rstd = ctx.saved_tensors
+        grad_out = _last_dim_contiguous(grad_out)
+        num_rows, width = x.shape
+        tiling = _row_tiling(num_rows, width)
+        programs = _backward_programs(x.device, tiling, num_rows)
+        grad_x = _new_output((num_rows, width), x.dtype, x.device)
+        grad_gate = _new_output((num_rows, width), gate.dtype, x.device)
+        grad_weight_partial = _new_output((programs, width), torch.float32, x.device)
+        if num_rows > 0:
+            _gated_backward_kernel[(programs,)](
+                x,
+                gate,
+                weight,
+                rstd,
+                grad_out,
+                grad_x,
+                grad_gate,
+                grad_weight_partial,
+                num_rows,
+                width,
+                x.stride(0),
+                gate.stride(0),
+                grad_out.stride(0),
+                **_product_constants(weight.dtype, x.dtype),
+                BLOCK_ROWS=tiling.block_rows,
+                BLOCK_WIDTH=tiling.block_width,
+                num_warps=tiling.num_warps,
+            )
+        else:
+            grad_weight_partial.zero_()
+        return grad_x, grad_gate, grad_weight_partial.sum(0).to(weight.dtype), None
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` as ``[R, D]`` rows with unit stride along D (a view when the layout allows one)."""
+    return _last_dim_contiguous(tensor.reshape(-1, tensor.shape[-1]))
+
+
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``Qwen3_5RMSNorm`` / ``Qwen3NextRMSNorm``: ``(x * rsqrt(mean(x^2) + eps) * (1 + weight)).type_as(x)`` in fp32.
+
+    Args:
+        x: ``[..., D]`` in fp16, bf16, fp32 or fp64; rows may be strided (a last dim that is not contiguous is
+            copied first).
+        weight: ``[D]``, the zero-centered scale (the module's ``weight``), any of those dtypes.
+        eps: added to the mean square.
+
+    Returns:
+        ``[..., D]`` in ``x``'s dtype, equal to the module's output up to the order of the fp32 row sum. The backward
+        gives ``x``'s gradient in ``x``'s dtype and ``weight``'s in ``weight``'s dtype, both computed in fp32 (the
+        weight's summed over rows deterministically).
+
+    Raises:
+        ValueError: a dtype outside those four, inputs on different devices, ``weight`` not ``[D]``, or ``D`` above
+            ``MAX_WIDTH``.
+    """
+    _check_inputs("zero_centered_rms_norm", x, weight)
+    out = _ZeroCenteredRMSNorm.apply(_rows(x), _last_dim_contiguous(weight), float(eps))
+    return out.view(x.shape)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``Qwen3_5RMSNormGated``, casts included.
+
+    With ``dt = x.dtype``: ``normed = (x.float() * rsqrt(mean(x^2) + eps)).to(dt)``; ``product = weight * normed``
+    in ``promote_types(weight.dtype, dt)`` (rounded to bf16 when both are bf16, as torch does); the result is
+    ``(product * silu(gate.float())).to(dt)``.
+
+    Args:
+        x: ``[..., D]`` in fp16, bf16, fp32 or fp64; rows may be strided.
+        gate: ``[..., D]``, ``x``'s shape, any of those dtypes.
+        weight: ``[D]``; float64 only with float64 ``x``.
+        eps: added to the mean square.
+
+    Returns:
+        ``[..., D]`` in ``x``'s dtype. The backward gives the gradients autograd gives for the transformers code
+        (casts act as identity), computed in fp32, each in its input's dtype.
+
+    Raises:
+        ValueError: a dtype outside those four, a float64 weight with lower-precision ``x``, inputs on different
+            devices, ``gate`` not shaped like ``x``, ``weight`` not ``[D]``, or ``D`` above ``MAX_WIDTH``.
+    """
+    _check_inputs("gated_rms_norm", x, weight, gate)
+    out = _GatedRMSNorm.apply(_rows(x), _rows(gate), _last_dim_contiguous(weight), float(eps))
+    return out.view(x.shape)
+
+
+def fused_norms_usable(tensor: torch.Tensor) -> bool:
+    """Whether the fused norms can run on ``tensor``: a CUDA tensor, or a CPU one under ``TRITON_INTERPRET=1``."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if tensor.is_cuda:
+        return True
+    return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
