@@ -179,3 +179,55 @@ def test_levels_read_slices_when_their_nodes_sit_side_by_side() -> None:
     x = torch.arange(plan.num_packed_tokens * 2.0).view(-1, 2)  # type: ignore[attr-defined]
     for level in schedule.levels:
         assert torch.equal(level.rows_of(x), x[level.token_index])
+
+
+def _checkpointed_layer_with_a_first_use_probe(isolate: bool) -> tuple[list[object], object]:
+    """A layer that, like fla's probe at first use, runs a small forward + backward inside its own forward, under a
+    non-reentrant gradient checkpoint; returns (what the probe saw, the layer's outcome)."""
+    from contextlib import nullcontext
+
+    from torch.utils.checkpoint import checkpoint
+
+    from arctic_zorro_train.gated_delta import isolated_autograd
+
+    probe: list[object] = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        if not probe:
+            with isolated_autograd() if isolate else nullcontext():
+                try:
+                    w = torch.ones(3, requires_grad=True)
+                    (w * w).sum().backward()
+                    probe.append(w.grad.clone() if w.grad is not None else None)
+                except Exception as error:  # what fla's probe would report as "fla unusable"
+                    probe.append(error)
+        return (x.sin() * x).sum()
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    try:
+        checkpoint(layer, x, use_reentrant=False).backward()
+    except Exception as error:
+        return probe, error
+    assert x.grad is not None
+    return probe, torch.allclose(x.grad, x.sin() + x * x.cos())
+
+
+def test_the_fla_probe_runs_apart_from_a_gradient_checkpoint() -> None:
+    """The probe's backward inside a checkpointed forward: without isolation it unpacks through the checkpoint's
+    hooks, fails (so fla would be disabled) and the recomputation saves other tensors (the H200 error of
+    2026-12-01); inside ``isolated_autograd`` it sees its gradient and the checkpoint is untouched."""
+    probe, outcome = _checkpointed_layer_with_a_first_use_probe(isolate=False)
+    assert isinstance(probe[0], Exception) and isinstance(outcome, Exception)
+    probe, outcome = _checkpointed_layer_with_a_first_use_probe(isolate=True)
+    assert len(probe) == 1 and torch.equal(probe[0], torch.full((3,), 2.0))  # type: ignore[arg-type]
+    assert outcome is True
+
+
+def test_the_fla_probe_gets_gradients_under_no_grad() -> None:
+    """A log-prob forward runs under ``torch.no_grad()``; the probe's backward must still work there."""
+    from arctic_zorro_train.gated_delta import isolated_autograd
+
+    with torch.no_grad(), isolated_autograd():
+        w = torch.ones(3, requires_grad=True)
+        (w * w).sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, torch.full((3,), 2.0))

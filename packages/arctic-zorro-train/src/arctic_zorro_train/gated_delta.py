@@ -17,12 +17,13 @@ and transformers' torch fallback otherwise (nodes right-padded to the level's lo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +213,23 @@ def fla_unusable_reason(device: torch.device, dtype: torch.dtype = torch.bfloat1
     return _fla_probe(index, dtype)
 
 
+@contextlib.contextmanager
+def isolated_autograd() -> Iterator[None]:
+    """A private autograd scope for a forward + backward run inside a layer's forward (fla's probe at first use).
+
+    Gradients on even under ``torch.no_grad()`` (a log-prob forward), and identity saved-tensor hooks on top of the
+    caller's, so a non-reentrant gradient checkpoint around the layer neither stores the probe's tensors nor
+    recomputes for them: without this, the probe's backward inside a checkpointed forward unpacked through the
+    checkpoint's hooks, the probe failed and the recomputation saved other tensors than the forward.
+    """
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
+        yield
+
+
+def _same_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 @functools.cache
 def _fla_probe(device_index: int, dtype: torch.dtype) -> str | None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -227,8 +245,9 @@ def _fla_probe(device_index: int, dtype: torch.dtype) -> str | None:
     g = (-torch.rand(1, 64, 2, device=f"cuda:{device_index}", generator=generator)).requires_grad_(True)
     beta = torch.rand(1, 64, 2, device=f"cuda:{device_index}", generator=generator).to(dtype)
     try:
-        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
-        out.float().sum().backward()
+        with isolated_autograd():
+            out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            out.float().sum().backward()
     except Exception as error:  # fla's refusal (or any failure) means: use the torch kernel
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return f"fla's gated chunk kernels fail in {dtype} on this GPU/Triton ({first_line})"
