@@ -32,6 +32,16 @@ WIDTHS = (1, 2, 3, 4)
 FORWARD_TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 GRADIENT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 BFLOAT16_GRADIENT_TOLERANCE = 1e-2
+# The production tiles (4-token backward tiles) take ~1 s per 130-token case in the interpreter: the shape sweep
+# there runs coarser tiles that still split 130 tokens into several row tiles and backward row chunks; the default
+# tiles get their own test and run everywhere on CUDA.
+SWEEP_TILES = (
+    CausalConvTiles(
+        forward_block_t=64, forward_block_c=256, backward_block_t=32, backward_block_c=256, backward_tiles_per_program=2
+    )
+    if INTERPRETING
+    else None
+)
 
 
 @pytest.fixture(autouse=True)
@@ -120,8 +130,24 @@ def assert_within_one_bfloat16_ulp(
 @pytest.mark.parametrize(("num_tokens", "num_channels", "width"), list(itertools.product(TOKENS, CHANNELS, WIDTHS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_matches_conv1d(num_tokens: int, num_channels: int, width: int, with_bias: bool, dtype: torch.dtype) -> None:
+    check_against_conv1d(num_tokens, num_channels, width, with_bias, dtype, SWEEP_TILES)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 8])
+def test_default_tiles_match_conv1d(width: int) -> None:
+    check_against_conv1d(130, 300, width, True, torch.float32, None)
+
+
+def check_against_conv1d(
+    num_tokens: int,
+    num_channels: int,
+    width: int,
+    with_bias: bool,
+    dtype: torch.dtype,
+    tiles: CausalConvTiles | None,
+) -> None:
     x, weight, bias = make_inputs(num_tokens, num_channels, width, with_bias, dtype)
-    out = causal_depthwise_conv(x, weight, bias)
+    out = causal_depthwise_conv(x, weight, bias, tiles=tiles)
     expected = conv1d_reference(x, weight, bias, torch.float64)
     assert out.shape == (num_tokens, num_channels) and out.dtype == dtype
     tolerance = FORWARD_TOLERANCE[dtype]
@@ -207,6 +233,7 @@ def test_partial_sums_over_many_row_chunks_are_exact_and_deterministic() -> None
 
 def test_no_tokens() -> None:
     x, weight, bias = make_inputs(0, 8, 4, True, torch.float32)
+    assert bias is not None
     out = causal_depthwise_conv(x, weight, bias)
     assert out.shape == (0, 8)
     grad_x, grad_weight, grad_bias = gradients(out, x, weight, bias, torch.zeros_like(out))

@@ -7,8 +7,11 @@ Works on the ``[T, C]`` layout directly (channels contiguous), so no transposed 
 from L1/L2, so HBM sees each element about once).
 
 The backward is one kernel: dx is the anti-causal conv of ``dout`` with the taps reversed, and each program also
-sums ``dout * x_shifted`` (dweight) and ``dout`` (dbias) over its rows into ``[num_row_chunks, C, K]`` and
-``[num_row_chunks, C]`` partial buffers that torch sums afterwards: deterministic, no atomics.
+sums ``dout * x_shifted`` (dweight) and ``dout`` (dbias) over its chunk of rows into ``[num_chunks, K, C]`` and
+``[num_chunks, C]`` fp32 partial buffers (channels contiguous) that torch sums afterwards: deterministic, no atomics.
+
+H200, bf16, T=8704, C=8192, K=4 (Triton 3.6): forward 86 us (3.3 TB/s; a plain copy of x takes 72 us), backward
+217 us (2.0 TB/s counting x, dout and dx); ``F.conv1d`` with the transposes takes 1650 us forward, 2230 us backward.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class CausalConvTiles:
     buffers have ``ceil(T / (backward_block_t * backward_tiles_per_program))`` rows instead of one per tile.
     """
 
+    # Defaults: the fastest measured on the H200 (bf16, T=8704, C=8192, K=4). Tiles of more than 64 elements per
+    # thread spill (forward 64x256: 1.9 ms). The backward wants all of a tile's rows in each thread (1024 channels =
+    # 4 warps x 32 lanes x 8): its column sums then need no cross-warp reduction (64x128 tiles: 1.6x slower).
+
     forward_block_t: int = 16
     forward_block_c: int = 512
     forward_num_warps: int = 4
@@ -45,7 +52,6 @@ class CausalConvTiles:
     backward_block_c: int = 1024
     backward_num_warps: int = 4
     backward_tiles_per_program: int = 16
-    backward_num_stages: int = 1
 
     def validate(self) -> None:
         for name in ("forward_block_t", "forward_block_c", "backward_block_t", "backward_block_c"):
@@ -233,7 +239,7 @@ def _weights_by_tap(weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _block(limit: int, extent: int) -> int:
-    """The tile size along a dimension of ``extent`` elements: at most ``limit``, at least 16, a power of two."""
+    """The tile size along a dimension of ``extent`` elements: ``limit``, or less (down to 16) for a short one."""
     return min(limit, max(16, triton.next_power_of_2(extent)))
 
 
@@ -303,7 +309,6 @@ def _launch_backward(
         BLOCK_C=block_c,
         TILES_PER_PROGRAM=tiles_per_program,
         num_warps=tiles.backward_num_warps,
-        num_stages=tiles.backward_num_stages,
     )
     grad_weight = grad_weight_partial.sum(0).t().to(weight.dtype).contiguous()
     grad_bias = grad_bias_partial.sum(0).to(weight.dtype) if has_bias else None
