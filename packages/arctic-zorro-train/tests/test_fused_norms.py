@@ -5,8 +5,9 @@ CPU tests run the kernels through Triton's interpreter (``TRITON_INTERPRET=1``, 
 
 * fp32: forward within 1e-6, gradients of x, gate and weight within 1e-5 relative L2, over widths 16 to 2560 (200 is
   not a power of two), 1/3/37 rows, 2D and 3D inputs, strided rows and a random upstream gradient.
-* fp64: the modules compute the norm in fp32 (``x.float()``, ``gate.float()``), so fp64 inputs can only match them to
-  fp32 precision (1e-6), not 1e-12; the test pins the fp64 dtype handling (the gated product runs in fp64).
+* fp64: the kernels compute in float64, as the modules do inside ``float64_everywhere`` (where the package's
+  exactness tests run): there forward and gradients agree to 1e-12; outside it the modules compute the norm in fp32
+  (``x.float()``, ``gate.float()``), so they match to fp32 precision (1e-6).
 * bf16: the outputs match the modules' bf16 outputs bit for bit on almost every element and within one bf16 ulp
   everywhere (the fp32 row sums run in another order, and GPU rsqrt differs from CPU's); the gated norm within two,
   as its normed value is rounded to bf16 before the product is: a one-ulp flip there can move the output by two
@@ -133,7 +134,12 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> 
 
 
 def _assert_matches_module(
-    kind: str, module: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor, forward_tolerance: float
+    kind: str,
+    module: torch.nn.Module,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    forward_tolerance: float,
+    grad_tolerance: float = 1e-5,
 ) -> None:
     upstream = torch.randn(x.shape, dtype=x.dtype, device=x.device)
     out, grads = _forward_backward(_fused(kind), kind, module, x, gate, upstream)
@@ -142,7 +148,7 @@ def _assert_matches_module(
     torch.testing.assert_close(out, expected_out, rtol=forward_tolerance, atol=forward_tolerance)
     for grad, expected in zip(grads, expected_grads, strict=True):
         assert grad.dtype == expected.dtype and grad.shape == expected.shape
-        assert _relative_error(grad, expected) <= 1e-5
+        assert _relative_error(grad, expected) <= grad_tolerance
 
 
 @on_cpu
@@ -183,6 +189,20 @@ def test_fp64_matches_module(kind: str, width: int, weight_dtype: torch.dtype) -
     module = _module(kind, width, weight_dtype)
     x, gate = _inputs((37, width), torch.float64)
     _assert_matches_module(kind, module, x, gate, forward_tolerance=1e-6)
+
+
+@on_cpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width", [16, 200])
+def test_fp64_inside_float64_everywhere_is_exact(kind: str, width: int) -> None:
+    """Where the exactness tests run (``float64_everywhere``: transformers' fp32 casts keep float64), the kernels
+    compute in float64 too: forward and gradients to float64 rounding."""
+    from arctic_zorro_train.testing import float64_everywhere
+
+    module = _module(kind, width, torch.float64)
+    x, gate = _inputs((37, width), torch.float64)
+    with float64_everywhere():
+        _assert_matches_module(kind, module, x, gate, forward_tolerance=1e-12, grad_tolerance=1e-12)
 
 
 def _assert_bf16_matches_module(

@@ -58,7 +58,7 @@ def _rounded(value, dtype: tl.constexpr):
         bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
         return tl.where(value != value, value, bits.to(tl.float32, bitcast=True))
     else:
-        return value.to(dtype).to(tl.float32)
+        return value.to(dtype).to(value.dtype)
 
 
 @triton.jit
@@ -80,6 +80,7 @@ def _zero_centered_forward_kernel(
     width,
     x_row_stride,
     eps,
+    COMPUTE_DTYPE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_WIDTH: tl.constexpr,
 ):
@@ -88,9 +89,9 @@ def _zero_centered_forward_kernel(
     row_mask = rows < num_rows
     column_mask = columns < width
     mask = row_mask[:, None] & column_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(COMPUTE_DTYPE)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
-    scale = 1.0 + tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)
+    scale = 1.0 + tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(COMPUTE_DTYPE)
     out = x * rstd[:, None] * scale[None, :]
     tl.store(out_ptr + rows[:, None] * width + columns[None, :], _cast(out, out_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -108,22 +109,23 @@ def _zero_centered_backward_kernel(
     width,
     x_row_stride,
     grad_out_row_stride,
+    COMPUTE_DTYPE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_WIDTH: tl.constexpr,
 ):
     program = tl.program_id(0)
     columns = tl.arange(0, BLOCK_WIDTH)
     column_mask = columns < width
-    scale = 1.0 + tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)
-    grad_weight = tl.zeros([BLOCK_ROWS, BLOCK_WIDTH], dtype=tl.float32)
+    scale = 1.0 + tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(COMPUTE_DTYPE)
+    grad_weight = tl.zeros([BLOCK_ROWS, BLOCK_WIDTH], dtype=COMPUTE_DTYPE)
     for block in range(program, tl.cdiv(num_rows, BLOCK_ROWS), tl.num_programs(0)):
         rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
         row_mask = rows < num_rows
         mask = row_mask[:, None] & column_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(COMPUTE_DTYPE)
         grad_out = tl.load(
             grad_out_ptr + rows[:, None] * grad_out_row_stride + columns[None, :], mask=mask, other=0.0
-        ).to(tl.float32)
+        ).to(COMPUTE_DTYPE)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         normed = x * rstd[:, None]
         grad_weight += grad_out * normed
@@ -162,7 +164,7 @@ def _gated_forward_kernel(
     row_mask = rows < num_rows
     column_mask = columns < width
     mask = row_mask[:, None] & column_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(COMPUTE_DTYPE)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
     # transformers: h.to(input_dtype), then weight * h in promote_types(weight, input), then * silu(gate.float()).
     normed = _rounded(x * rstd[:, None], x_ptr.dtype.element_ty)
@@ -171,7 +173,8 @@ def _gated_forward_kernel(
     if ROUND_PRODUCT:
         # The fp32 product of two bf16 (or fp16) values is exact, so this is torch's rounded low-precision product.
         product = _rounded(product, PRODUCT_DTYPE)
-    gate = tl.load(gate_ptr + rows[:, None] * gate_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate_pointers = gate_ptr + rows[:, None] * gate_row_stride + columns[None, :]
+    gate = tl.load(gate_pointers, mask=mask, other=0.0).to(COMPUTE_DTYPE)
     silu = gate * tl.sigmoid(gate)
     out = product * silu.to(COMPUTE_DTYPE)
     tl.store(out_ptr + rows[:, None] * width + columns[None, :], _cast(out, out_ptr.dtype.element_ty), mask=mask)
@@ -195,25 +198,26 @@ def _gated_backward_kernel(
     grad_out_row_stride,
     PRODUCT_DTYPE: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_WIDTH: tl.constexpr,
 ):
     program = tl.program_id(0)
     columns = tl.arange(0, BLOCK_WIDTH)
     column_mask = columns < width
-    weight = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)
-    grad_weight = tl.zeros([BLOCK_ROWS, BLOCK_WIDTH], dtype=tl.float32)
+    weight = tl.load(weight_ptr + columns, mask=column_mask, other=0.0).to(COMPUTE_DTYPE)
+    grad_weight = tl.zeros([BLOCK_ROWS, BLOCK_WIDTH], dtype=COMPUTE_DTYPE)
     for block in range(program, tl.cdiv(num_rows, BLOCK_ROWS), tl.num_programs(0)):
         rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
         row_mask = rows < num_rows
         mask = row_mask[:, None] & column_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + columns[None, :], mask=mask, other=0.0).to(COMPUTE_DTYPE)
         gate = tl.load(gate_ptr + rows[:, None] * gate_row_stride + columns[None, :], mask=mask, other=0.0).to(
-            tl.float32
+            COMPUTE_DTYPE
         )
         grad_out = tl.load(
             grad_out_ptr + rows[:, None] * grad_out_row_stride + columns[None, :], mask=mask, other=0.0
-        ).to(tl.float32)
+        ).to(COMPUTE_DTYPE)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         # Recompute the forward's values, roundings included: autograd multiplies by what the forward produced.
         normed = x * rstd[:, None]
@@ -269,6 +273,16 @@ def _backward_programs(device: torch.device, tiling: _RowTiling, num_rows: int) 
     return max(1, min(programs, tiling.row_blocks(num_rows)))
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels compute in: float64 for float64 inputs (as transformers does inside
+    ``arctic_zorro_train.testing.float64_everywhere``, where the exactness tests run), fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _compute_dtype(dtype: torch.dtype) -> Any:
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if poison_outputs:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -317,7 +331,7 @@ class _ZeroCenteredRMSNorm(torch.autograd.Function):
         num_rows, width = x.shape
         tiling = _row_tiling(num_rows, width)
         out = _new_output((num_rows, width), x.dtype, x.device)
-        rstd = _new_output((num_rows,), torch.float32, x.device)
+        rstd = _new_output((num_rows,), _accumulator(x.dtype), x.device)
         if num_rows > 0:
             _zero_centered_forward_kernel[(tiling.row_blocks(num_rows),)](
                 x,
@@ -328,6 +342,7 @@ class _ZeroCenteredRMSNorm(torch.autograd.Function):
                 width,
                 x.stride(0),
                 eps,
+                COMPUTE_DTYPE=_compute_dtype(x.dtype),
                 BLOCK_ROWS=tiling.block_rows,
                 BLOCK_WIDTH=tiling.block_width,
                 num_warps=tiling.num_warps,
@@ -344,7 +359,7 @@ class _ZeroCenteredRMSNorm(torch.autograd.Function):
         tiling = _row_tiling(num_rows, width)
         programs = _backward_programs(x.device, tiling, num_rows)
         grad_x = _new_output((num_rows, width), x.dtype, x.device)
-        grad_weight_partial = _new_output((programs, width), torch.float32, x.device)
+        grad_weight_partial = _new_output((programs, width), _accumulator(x.dtype), x.device)
         if num_rows > 0:
             _zero_centered_backward_kernel[(programs,)](
                 x,
@@ -357,6 +372,7 @@ class _ZeroCenteredRMSNorm(torch.autograd.Function):
                 width,
                 x.stride(0),
                 grad_out.stride(0),
+                COMPUTE_DTYPE=_compute_dtype(x.dtype),
                 BLOCK_ROWS=tiling.block_rows,
                 BLOCK_WIDTH=tiling.block_width,
                 num_warps=tiling.num_warps,
@@ -378,7 +394,7 @@ class _GatedRMSNorm(torch.autograd.Function):
         num_rows, width = x.shape
         tiling = _row_tiling(num_rows, width)
         out = _new_output((num_rows, width), x.dtype, x.device)
-        rstd = _new_output((num_rows,), torch.float32, x.device)
+        rstd = _new_output((num_rows,), _accumulator(x.dtype), x.device)
         if num_rows > 0:
             _gated_forward_kernel[(tiling.row_blocks(num_rows),)](
                 x,
@@ -392,7 +408,7 @@ class _GatedRMSNorm(torch.autograd.Function):
                 gate.stride(0),
                 eps,
                 # fp64 when the product is (torch then multiplies by silu in fp64 too), fp32 otherwise.
-                COMPUTE_DTYPE=tl.float64 if torch.promote_types(weight.dtype, x.dtype) == torch.float64 else tl.float32,
+                COMPUTE_DTYPE=_compute_dtype(x.dtype),
                 **_product_constants(weight.dtype, x.dtype),
                 BLOCK_ROWS=tiling.block_rows,
                 BLOCK_WIDTH=tiling.block_width,
@@ -411,7 +427,7 @@ class _GatedRMSNorm(torch.autograd.Function):
         programs = _backward_programs(x.device, tiling, num_rows)
         grad_x = _new_output((num_rows, width), x.dtype, x.device)
         grad_gate = _new_output((num_rows, width), gate.dtype, x.device)
-        grad_weight_partial = _new_output((programs, width), torch.float32, x.device)
+        grad_weight_partial = _new_output((programs, width), _accumulator(x.dtype), x.device)
         if num_rows > 0:
             _gated_backward_kernel[(programs,)](
                 x,
@@ -428,6 +444,7 @@ class _GatedRMSNorm(torch.autograd.Function):
                 gate.stride(0),
                 grad_out.stride(0),
                 **_product_constants(weight.dtype, x.dtype),
+                COMPUTE_DTYPE=_compute_dtype(x.dtype),
                 BLOCK_ROWS=tiling.block_rows,
                 BLOCK_WIDTH=tiling.block_width,
                 num_warps=tiling.num_warps,
@@ -443,7 +460,7 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``Qwen3_5RMSNorm`` / ``Qwen3NextRMSNorm``: ``(x * rsqrt(mean(x^2) + eps) * (1 + weight)).type_as(x)`` in fp32.
+    """``Qwen3_5RMSNorm`` / ``Qwen3NextRMSNorm``: ``(x * rsqrt(mean(x^2) + eps) * (1 + weight)).type_as(x)``.
 
     Args:
         x: ``[..., D]`` in fp16, bf16, fp32 or fp64; rows may be strided (a last dim that is not contiguous is
@@ -453,8 +470,8 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
 
     Returns:
         ``[..., D]`` in ``x``'s dtype, equal to the module's output up to the order of the fp32 row sum. The backward
-        gives ``x``'s gradient in ``x``'s dtype and ``weight``'s in ``weight``'s dtype, both computed in fp32 (the
-        weight's summed over rows deterministically).
+        gives ``x``'s gradient in ``x``'s dtype and ``weight``'s in ``weight``'s dtype, both computed in fp32
+        (float64 for float64 x, see ``_accumulator``; the weight's summed over rows deterministically).
 
     Raises:
         ValueError: a dtype outside those four, inputs on different devices, ``weight`` not ``[D]``, or ``D`` above
@@ -480,7 +497,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
     Returns:
         ``[..., D]`` in ``x``'s dtype. The backward gives the gradients autograd gives for the transformers code
-        (casts act as identity), computed in fp32, each in its input's dtype.
+        (casts act as identity), computed in fp32 (float64 for float64 x), each in its input's dtype.
 
     Raises:
         ValueError: a dtype outside those four, a float64 weight with lower-precision ``x``, inputs on different
