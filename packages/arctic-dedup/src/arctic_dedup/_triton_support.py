@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Literal
@@ -13,7 +14,9 @@ __all__ = ["Backend", "interpreting", "resolve_backend", "triton_available"]
 Backend = Literal["auto", "triton", "torch"]
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether ``triton`` is installed (looked up once: a lookup costs ~50 us and layers ask on every call)."""
     return importlib.util.find_spec("triton") is not None
 
 

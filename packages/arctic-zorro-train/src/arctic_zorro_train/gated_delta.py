@@ -197,6 +197,11 @@ def tree_causal_conv(
     return whole.index_copy(0, schedule.fix_index, fixed)
 
 
+@functools.cache
+def _fla_installed() -> bool:  # looked up once: every Gated DeltaNet layer asks on every call
+    return importlib.util.find_spec("fla") is not None
+
+
 def fla_unusable_reason(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why fla's gated chunk kernels cannot train in ``dtype`` on ``device`` here, or None when they can.
 
@@ -205,7 +210,7 @@ def fla_unusable_reason(device: torch.device, dtype: torch.dtype = torch.bfloat1
     its TileLang backend, fla issue #640: measured on the H200 with Triton 3.6 in bf16 and fp32 alike), and that
     refusal only surfaces inside the backward pass, too late to fall back.
     """
-    if importlib.util.find_spec("fla") is None:
+    if not _fla_installed():
         return "flash-linear-attention is not installed (install `arctic-zorro-train[fla]`)"
     if device.type != "cuda":
         return None
