@@ -29,7 +29,7 @@ def _module_state(model: nn.Module) -> dict[str, object]:
         f"{name}.{key}": value
         for name, module in model.named_modules()
         for key, value in vars(module).items()
-        if not key.startswith("_") or key == "_arctic_zorro_patch"
+        if not key.startswith("_") or key in ("_arctic_zorro_patch", "_arctic_zorro_layer_patch")
     }
 
 
@@ -154,3 +154,34 @@ def test_nothing_is_patched_or_registered_at_import() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_deep_copy_of_a_patched_model_runs_its_own_weights(family: str) -> None:
+    """An RL reference model is often ``copy.deepcopy(policy)``: the copy's patched layers (attention, Gated DeltaNet,
+    norms) must use the copy's weights and settings, and removing the copy's patch must leave the original's."""
+    import copy
+
+    from arctic_zorro_train import DeduplicatedActor
+    from arctic_zorro_train.patching import get_patch
+
+    batch = _batch()
+    original = fresh_model(family)
+    apply_zorro(original, response_length=4)
+    patched_state = _module_state(original)
+    duplicate = copy.deepcopy(original)
+    with torch.no_grad():
+        for parameter in duplicate.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    fresh = fresh_model(family)  # unpatched, with the copy's weights: what the copy must compute
+    fresh.load_state_dict(duplicate.state_dict())
+    width = batch["responses"].shape[1]
+    expected = per_sample_reference(fresh, batch, width, 1.0).logprobs
+    actual = DeduplicatedActor(duplicate).forward(batch).logprobs
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+    assert get_patch(duplicate) is not get_patch(original)
+    remove_zorro(duplicate)
+    assert is_patched(original) and not is_patched(duplicate)
+    assert all("forward" not in vars(module) for module in duplicate.modules())
+    assert _module_state(original).keys() == patched_state.keys()
+    assert all(_module_state(original)[key] is value for key, value in patched_state.items())

@@ -13,7 +13,6 @@ Modes: ``"auto"`` (default) uses them on CUDA tensors; ``"always"`` also on CPU 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -46,35 +45,31 @@ def use_fused_kernels(mode: FusedKernels, tensor: torch.Tensor) -> bool:
 
 
 def fused_norm_forward(
-    module: nn.Module, kind: Literal["zero_centered", "gated"], mode_of: Callable[[], FusedKernels]
-) -> Callable[..., torch.Tensor]:
-    """A forward for one transformers RMSNorm module that runs the fused kernel where ``mode_of()`` allows it.
+    module: nn.Module,
+    kind: Literal["zero_centered", "gated"],
+    mode: FusedKernels,
+    hidden_states: torch.Tensor,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One transformers RMSNorm module's forward: the fused kernel where ``mode`` allows it, the module's own code
+    otherwise.
 
     ``kind``: ``"zero_centered"`` for ``Qwen3_5RMSNorm``-like modules (``x_hat * (1 + weight)``, attribute ``eps``),
-    ``"gated"`` for ``Qwen3_5RMSNormGated``-like ones (``weight * x_hat * silu(gate)``, ``variance_epsilon``).
+    ``"gated"`` for ``Qwen3_5RMSNormGated``-like ones (``weight * x_hat * silu(gate)``, ``variance_epsilon``). The
+    kernels are imported at first use, so triton is imported only where it runs (after TRITON_INTERPRET is set).
     """
     original: Any = type(module).forward
     attributes: Any = module
-    # The weight is read at call time (ZeRO-3 and state-dict loading may swap what ``module.weight`` holds); the
-    # kernels are imported at first use, so triton is imported only where it runs (after TRITON_INTERPRET is set).
     if kind == "zero_centered":
-        eps = float(attributes.eps)
+        if use_fused_kernels(mode, hidden_states):
+            from arctic_zorro_train.kernels.norms import zero_centered_rms_norm
 
-        def zero_centered(hidden_states: torch.Tensor) -> torch.Tensor:
-            if use_fused_kernels(mode_of(), hidden_states):
-                from arctic_zorro_train.kernels.norms import zero_centered_rms_norm
+            return zero_centered_rms_norm(hidden_states, attributes.weight, float(attributes.eps))
+        return original(module, hidden_states)  # type: ignore[no-any-return]
+    if gate is None:
+        raise ValueError(f"{type(module).__name__} is a gated RMSNorm: call it with (hidden_states, gate).")
+    if use_fused_kernels(mode, hidden_states):
+        from arctic_zorro_train.kernels.norms import gated_rms_norm
 
-                return zero_centered_rms_norm(hidden_states, attributes.weight, eps)
-            return original(module, hidden_states)  # type: ignore[no-any-return]
-
-        return zero_centered
-    gated_eps = float(attributes.variance_epsilon)
-
-    def gated(hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if use_fused_kernels(mode_of(), hidden_states):
-            from arctic_zorro_train.kernels.norms import gated_rms_norm
-
-            return gated_rms_norm(hidden_states, gate, attributes.weight, gated_eps)
-        return original(module, hidden_states, gate)  # type: ignore[no-any-return]
-
-    return gated
+        return gated_rms_norm(hidden_states, gate, attributes.weight, float(attributes.variance_epsilon))
+    return original(module, hidden_states, gate)  # type: ignore[no-any-return]

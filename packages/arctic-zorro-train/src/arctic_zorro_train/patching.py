@@ -15,9 +15,10 @@ context, patched layers behave like the originals, so a patched model still runs
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +26,8 @@ from torch import nn
 from arctic_zorro_train.attention import AttentionConfigView, register_zorro_attention
 from arctic_zorro_train.context import CONTEXT_KWARG, ZorroContext
 from arctic_zorro_train.errors import ZorroPatchError
-from arctic_zorro_train.families import ArchitectureTable, GatedDeltaInputs, resolve_architecture
-from arctic_zorro_train.fused import FusedKernels, fused_norm_forward, use_fused_kernels
+from arctic_zorro_train.families import ArchitectureTable, resolve_architecture
+from arctic_zorro_train.fused import fused_norm_forward, use_fused_kernels
 from arctic_zorro_train.gated_delta import gated_delta_tree_forward
 from arctic_zorro_train.settings import ZorroSettings
 
@@ -41,21 +42,45 @@ __all__ = [
 ]
 
 PATCH_ATTRIBUTE = "_arctic_zorro_patch"
-_ABSENT = object()
+# Every patched layer holds its patch too, so its forward (a method bound to the layer) finds the settings, and a
+# ``copy.deepcopy`` of the model copies patch, layers and undo records together (an RL reference model is often a
+# deep copy of the policy): no forward or undo step of the copy reaches back into the original.
+LAYER_PATCH_ATTRIBUTE = "_arctic_zorro_layer_patch"
 
 
-def _set_attribute(target: Any, name: str, value: Any) -> Callable[[], None]:
+class _Absent:
+    """Marks an attribute that did not exist before the patch; the same object in every copy."""
+
+    def __copy__(self) -> _Absent:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Absent:
+        return self
+
+
+_ABSENT = _Absent()
+
+
+@dataclass
+class _AttributeUndo:
+    """Puts back one attribute set by ``_set_attribute`` (data, not a closure, so deep copies undo their own)."""
+
+    target: Any
+    name: str
+    previous: Any
+
+    def __call__(self) -> None:
+        if self.previous is _ABSENT:
+            object.__delattr__(self.target, self.name)
+        else:
+            object.__setattr__(self.target, self.name, self.previous)
+
+
+def _set_attribute(target: Any, name: str, value: Any) -> _AttributeUndo:
     """Set ``target.name`` (bypassing nn.Module registration) and return the undo."""
     previous = target.__dict__.get(name, _ABSENT)
     object.__setattr__(target, name, value)
-
-    def undo() -> None:
-        if previous is _ABSENT:
-            object.__delattr__(target, name)
-        else:
-            object.__setattr__(target, name, previous)
-
-    return undo
+    return _AttributeUndo(target, name, previous)
 
 
 class QwenAttentionPatcher:
@@ -102,31 +127,46 @@ class QwenAttentionPatcher:
             object.__setattr__(self.attention_layer, "config", config.zorro_base_config)
 
 
+def _layer_patch(module: nn.Module) -> ZorroPatch:
+    return module.__dict__[LAYER_PATCH_ATTRIBUTE]  # type: ignore[no-any-return]
+
+
 def _gated_delta_forward(
-    module: nn.Module,
-    projections: Callable[[Any, torch.Tensor], GatedDeltaInputs],
-    mode_of: Callable[[], FusedKernels],
-) -> Callable[..., torch.Tensor]:
-    original = type(module).forward
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    cache_params: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A Gated DeltaNet layer's forward under the patch (bound to the layer): the tree path inside a zorro context,
+    the layer's own forward otherwise."""
+    context: ZorroContext | None = kwargs.pop(CONTEXT_KWARG, None)
+    if context is None:
+        original: Any = type(self).forward
+        return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)  # type: ignore[no-any-return]
+    if cache_params is not None or context.gated_delta is None:
+        raise ZorroPatchError(
+            "a Gated DeltaNet layer got a zorro context without a schedule or with a cache; deduplicated runs "
+            "are training/log-prob forwards with use_cache=False."
+        )
+    patch = _layer_patch(self)
+    table = patch.architecture.linear_attention
+    assert table is not None  # only hybrid architectures patch Gated DeltaNet layers
+    fused = use_fused_kernels(patch.settings.fused_kernels, hidden_states)
+    return gated_delta_tree_forward(self, hidden_states, context.gated_delta, table.projections, fused_conv=fused)
 
-    def forward(
-        hidden_states: torch.Tensor,
-        cache_params: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        context: ZorroContext | None = kwargs.pop(CONTEXT_KWARG, None)
-        if context is None:
-            return original(module, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)  # type: ignore[no-any-return]
-        if cache_params is not None or context.gated_delta is None:
-            raise ZorroPatchError(
-                "a Gated DeltaNet layer got a zorro context without a schedule or with a cache; deduplicated runs "
-                "are training/log-prob forwards with use_cache=False."
-            )
-        fused = use_fused_kernels(mode_of(), hidden_states)
-        return gated_delta_tree_forward(module, hidden_states, context.gated_delta, projections, fused_conv=fused)
 
-    return forward
+def _zero_centered_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return fused_norm_forward(self, "zero_centered", _layer_patch(self).settings.fused_kernels, hidden_states)
+
+
+def _gated_norm_forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return fused_norm_forward(self, "gated", _layer_patch(self).settings.fused_kernels, hidden_states, gate)
+
+
+def _patch_layer(patch: ZorroPatch, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
+    patch.undo_steps.append(_set_attribute(module, LAYER_PATCH_ATTRIBUTE, patch))
+    patch.undo_steps.append(_set_attribute(module, "forward", types.MethodType(forward, module)))
 
 
 def find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -249,42 +289,39 @@ def apply_zorro(
     for patcher in patchers:
         patcher.patch()
 
-    def mode_of() -> FusedKernels:  # read at call time: apply_zorro on a patched model updates the settings
-        return patch.settings.fused_kernels
-
-    if architecture.linear_attention is not None:
-        projections = architecture.linear_attention.projections
-        for module in linear_attention:
-            forward = _gated_delta_forward(module, projections, mode_of)
-            patch.undo_steps.append(_set_attribute(module, "forward", forward))
+    for module in linear_attention:
+        _patch_layer(patch, module, _gated_delta_forward)
     for module in backbone.modules():
         name = type(module).__name__
-        kind: Literal["zero_centered", "gated"] | None = None
         if name in architecture.gated_norm_classes:
-            kind = "gated"
+            _patch_layer(patch, module, _gated_norm_forward)
         elif name in architecture.zero_centered_norm_classes:
-            kind = "zero_centered"
-        if kind is not None:
-            patch.undo_steps.append(_set_attribute(module, "forward", fused_norm_forward(module, kind, mode_of)))
+            _patch_layer(patch, module, _zero_centered_norm_forward)
     patch.undo_steps.append(_set_attribute(model, PATCH_ATTRIBUTE, patch))
     if patch_forward:
         _patch_forward(patch)
     return patch
 
 
-def _patch_forward(patch: ZorroPatch) -> None:
+def _zorro_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     from arctic_zorro_train.forward import zorro_model_forward
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return zorro_model_forward(patch.model, *args, **kwargs)
+    return zorro_model_forward(self, *args, **kwargs)
 
-    undo = _set_attribute(patch.model, "forward", forward)
 
-    def undo_forward() -> None:
-        undo()
-        patch.forward_patched = False
+@dataclass
+class _ForwardUndo:
+    patch: ZorroPatch
+    undo: _AttributeUndo
 
-    patch.undo_steps.append(undo_forward)
+    def __call__(self) -> None:
+        self.undo()
+        self.patch.forward_patched = False
+
+
+def _patch_forward(patch: ZorroPatch) -> None:
+    undo = _set_attribute(patch.model, "forward", types.MethodType(_zorro_model_forward, patch.model))
+    patch.undo_steps.append(_ForwardUndo(patch, undo))
     patch.forward_patched = True
 
 
