@@ -54,15 +54,13 @@ def _norm_case(kind: str, width: int) -> Callable[..., Any]:
 
 def _conv_case(channels: int, width: int) -> Callable[..., Any]:
     def build(device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, int]:
-        import torch.nn.functional as F
-
         from arctic_zorro_train.kernels.causal_conv import causal_depthwise_conv
+        from arctic_zorro_train.kernels.reference import causal_depthwise_conv_reference
 
         weight = torch.randn(channels, width, device=device, dtype=dtype, requires_grad=True)
 
         def reference(x: torch.Tensor) -> torch.Tensor:  # what gated_delta.tree_causal_conv ran before
-            whole = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), None, padding=width - 1, groups=channels)
-            return whole.squeeze(0)[:, : x.shape[0]].t()
+            return causal_depthwise_conv_reference(x, weight, None)
 
         return reference, lambda x: causal_depthwise_conv(x, weight, None), 1
 

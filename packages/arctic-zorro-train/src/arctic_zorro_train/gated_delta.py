@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from arctic_dedup import Plan
 from arctic_zorro_train.families import GatedDeltaInputs
+from arctic_zorro_train.kernels.reference import causal_depthwise_conv_reference
 
 __all__ = [
     "GatedDeltaLevel",
@@ -175,7 +176,7 @@ def tree_causal_conv(
     Matches ``F.conv1d`` with left padding ``K - 1`` on each sample's own sequence. ``fused``: the whole-stream conv
     runs as ``arctic_zorro_train.kernels.causal_conv`` on the ``[T, C]`` layout (no transposed copies).
     """
-    num_tokens, channels = x.shape
+    channels = x.shape[1]
     width = weight.shape[1]
     if width != schedule.conv_width:
         raise ValueError(f"the conv has width {width} but the schedule was built for {schedule.conv_width}.")
@@ -185,8 +186,7 @@ def tree_causal_conv(
 
         whole = causal_depthwise_conv(x, weight, bias)
     else:
-        whole = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=channels)
-        whole = whole.squeeze(0)[:, :num_tokens].t()  # squeeze: [0]'s backward would zero-fill [1, C, T+K-1], copy
+        whole = causal_depthwise_conv_reference(x, weight, bias)
     lags = schedule.fix_lags
     window = x.index_select(0, lags.clamp_min(0).reshape(-1)).view(lags.shape[0], width, channels)
     window = window * (lags >= 0).unsqueeze(-1).to(window.dtype)

@@ -3,3 +3,6 @@
 Each kernel equals the transformers code it replaces (forward and backward); the patch uses it on CUDA tensors
 only, the torch code stays the path on CPU. Tests run the kernels through Triton's interpreter on CPU.
 """
+
+# Submodules, imported where used (``norms`` and ``causal_conv`` import triton; ``reference`` is plain torch).
+__all__ = ["causal_conv", "norms", "reference"]
