@@ -121,6 +121,12 @@ def main() -> None:
     parser.add_argument("--baseline-samples", type=int, default=2)
     parser.add_argument("--model", choices=["dense", "hybrid"], default="dense")
     parser.add_argument(
+        "--fused-kernels",
+        default="auto",
+        choices=["auto", "never"],
+        help="hybrid: fused norms and conv (ZorroSettings.fused_kernels); 'never' profiles transformers' torch code",
+    )
+    parser.add_argument(
         "--time-despite-fla-640",
         action="store_true",
         help="hybrid: profile fla's gated kernels even where fla refuses them as miscompiled (timing only)",
@@ -140,12 +146,14 @@ def main() -> None:
     prompts, responses = [8192], [[512] * 16]
     batch = group_batch(prompts, responses, model.config.vocab_size, options.device)
     cost, _ = _cost_row(model, prompts, responses)
-    dedup = profile_step(dedup_step(model, batch, args.backend), model)
+    dedup = profile_step(dedup_step(model, batch, args.backend, fused_kernels=args.fused_kernels), model)
     dedup["tflops"] = cost.flops_dedup / dedup["wall_ms"] / 1e9
     dedup["mfu"] = dedup["tflops"] / PEAK_TFLOPS
     few = args.baseline_samples
     samples = select_samples(batch, list(range(few)))
-    baseline_run = baseline_step(model, samples, "sdpa", 1) if hybrid else hf_sdpa_step(model, samples)
+    baseline_run = (
+        baseline_step(model, samples, "sdpa", 1, args.fused_kernels) if hybrid else hf_sdpa_step(model, samples)
+    )
     baseline = profile_step(baseline_run, model)
     baseline["scaled_to_samples"] = 16
     baseline["tflops"] = cost.flops_base * few / 16 / baseline["wall_ms"] / 1e9
@@ -155,13 +163,17 @@ def main() -> None:
         "model": args.model,
         "recompute": "full" if hybrid else "none",
         "backend": args.backend,
+        "fused_kernels": args.fused_kernels,
         "dedup": dedup,
         f"baseline_{few}_samples": baseline,
     }
     if timing_only:
         results["timing_only"] = FLA_640_NOTE
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("zorro_profile_hybrid.json" if hybrid else "zorro_profile.json")
+    name = "zorro_profile_hybrid" if hybrid else "zorro_profile"
+    if hybrid and args.fused_kernels != "auto":
+        name += f"_fused_{args.fused_kernels}"
+    path = args.out / f"{name}.json"
     path.write_text(json.dumps(results, indent=1))
     baseline_label = f"packed baseline x{few}" if hybrid else f"hf sdpa x{few}"
     for label, result in (("dedup", dedup), (baseline_label, baseline)):

@@ -114,6 +114,8 @@ class Options:
     # Samples per micro-batch of the packed baseline; None: 1, and for the hybrid also 4 and 16 (fla's Gated DeltaNet
     # recurrence is parallel over sequences and heads only, so one long sample per micro-batch starves it).
     baseline_samples: tuple[int, ...] | None = None
+    # The hybrid families' fused norms and conv (ZorroSettings.fused_kernels), in the dedup and baseline runs alike.
+    fused_kernels: str = "auto"
 
     @property
     def dedup_backends(self) -> tuple[str, ...]:
@@ -205,7 +207,11 @@ def _loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], scale: float) 
 
 
 def dedup_step(
-    model: Any, batch: dict[str, torch.Tensor], backend: str, groups: Sequence[Sequence[int]] | None = None
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    backend: str,
+    groups: Sequence[Sequence[int]] | None = None,
+    fused_kernels: str = "auto",
 ) -> Callable[[], None]:
     """Deduplicated: one packed stream per micro-batch; ``groups`` (rows per micro-batch, whole prompt groups)
     defaults to the whole batch in one micro-batch."""
@@ -214,7 +220,14 @@ def dedup_step(
     micro_batches = [batch] if groups is None else [select_samples(batch, rows) for rows in groups]
 
     def step() -> None:
-        apply_zorro(model, patch_forward=False, attention_backend=backend, logits_mode="memory", logits_chunk_size=2048)
+        apply_zorro(
+            model,
+            patch_forward=False,
+            attention_backend=backend,
+            logits_mode="memory",
+            logits_chunk_size=2048,
+            fused_kernels=fused_kernels,
+        )
         for micro in micro_batches:
             plan = plan_batch(micro["input_ids"], width, micro["attention_mask"], micro["position_ids"])
             output = zorro_forward(model, plan)
@@ -223,7 +236,9 @@ def dedup_step(
     return step
 
 
-def baseline_step(model: Any, batch: dict[str, torch.Tensor], backend: str, per_micro_batch: int) -> Callable[[], None]:
+def baseline_step(
+    model: Any, batch: dict[str, torch.Tensor], backend: str, per_micro_batch: int, fused_kernels: str = "auto"
+) -> Callable[[], None]:
     """Non-deduplicated: micro-batches of ``per_micro_batch`` samples, each packed without sharing."""
     width = batch["responses"].shape[1]
     total = float(batch["response_mask"].sum())
@@ -231,7 +246,14 @@ def baseline_step(model: Any, batch: dict[str, torch.Tensor], backend: str, per_
     micro_batches = [select_samples(batch, rows[i : i + per_micro_batch]) for i in range(0, len(rows), per_micro_batch)]
 
     def step() -> None:
-        apply_zorro(model, patch_forward=False, attention_backend=backend, logits_mode="memory", logits_chunk_size=2048)
+        apply_zorro(
+            model,
+            patch_forward=False,
+            attention_backend=backend,
+            logits_mode="memory",
+            logits_chunk_size=2048,
+            fused_kernels=fused_kernels,
+        )
         for micro in micro_batches:
             plan = plan_batch(
                 micro["input_ids"], width, micro["attention_mask"], micro["position_ids"], deduplicate=False
@@ -339,12 +361,13 @@ def compare(
     variants: list[tuple[str, str, Callable[[], None], float, int | None]] = []
     if "packed" in options.baselines or not with_hf_baseline:
         for samples in baseline_samples:
-            step = baseline_step(model, batch, options.baseline_backend, samples)
+            step = baseline_step(model, batch, options.baseline_backend, samples, options.fused_kernels)
             variants.append(("baseline", options.baseline_backend, step, cost.flops_base, samples))
     if with_hf_baseline and "hf_sdpa" in options.baselines:
         variants.append(("baseline", "hf_sdpa", hf_sdpa_step(model, batch), cost.flops_base, 1))
     for backend in options.dedup_backends:
-        variants.append(("dedup", backend, dedup_step(model, batch, backend), cost.flops_dedup, None))
+        step = dedup_step(model, batch, backend, fused_kernels=options.fused_kernels)
+        variants.append(("dedup", backend, step, cost.flops_dedup, None))
     rows = []
     for run, backend, step, flops, samples in variants:
         row: dict[str, Any] = {"section": section, "run": run, "backend": backend, **config}
@@ -462,7 +485,8 @@ def section_hybrid(options: Options) -> list[dict[str, Any]]:
         model,
     )
     fla = importlib.util.find_spec("fla") is not None
-    rows = [dict(row, gated_delta_kernel="fla" if fla and options.device.type == "cuda" else "torch") for row in rows]
+    kernel = "fla" if fla and options.device.type == "cuda" else "torch"
+    rows = [dict(row, gated_delta_kernel=kernel, fused_kernels=options.fused_kernels) for row in rows]
     if bypassed:
         rows = [dict(row, timing_only=FLA_640_NOTE) for row in rows]
     return rows
@@ -569,11 +593,11 @@ def section_memory(options: Options) -> list[dict[str, Any]]:
 
     def baseline(group: int) -> Callable[[], None]:
         batch = group_batch([prompt], [[response] * group], vocab, options.device)
-        return baseline_step(model, batch, options.baseline_backend, per_micro_batch=group)
+        return baseline_step(model, batch, options.baseline_backend, group, options.fused_kernels)
 
     def dedup(group: int) -> Callable[[], None]:
         batch = group_batch([prompt], [[response] * group], vocab, options.device)
-        return dedup_step(model, batch, backend)
+        return dedup_step(model, batch, backend, fused_kernels=options.fused_kernels)
 
     rows: list[dict[str, Any]] = []
     for group in (16, 32) if not options.smoke else (4,):
@@ -655,7 +679,9 @@ def section_sweep(options: Options) -> list[dict[str, Any]]:
             }
             try:
                 if unique == uniques[0]:
-                    step = baseline_step(model, batch, options.baseline_backend, baseline_per_micro_batch)
+                    step = baseline_step(
+                        model, batch, options.baseline_backend, baseline_per_micro_batch, options.fused_kernels
+                    )
                     baseline_seconds = time_step(step, model, options)["seconds"]
                 # Whole prompt groups per micro-batch (never split), packed like the baseline's samples.
                 groups = [
@@ -666,7 +692,8 @@ def section_sweep(options: Options) -> list[dict[str, Any]]:
                     ]
                     for first in range(0, unique, groups_per_micro_batch)
                 ]
-                measured = time_step(dedup_step(model, batch, options.dedup_backends[0], groups), model, options)
+                dedup = dedup_step(model, batch, options.dedup_backends[0], groups, options.fused_kernels)
+                measured = time_step(dedup, model, options)
                 row.update(measured)
                 # Every sweep batch has the same samples count and lengths, so one baseline serves all.
                 row["baseline_seconds"] = baseline_seconds
@@ -884,6 +911,12 @@ def main() -> int:
         help="hybrid: time fla's gated kernels even where fla refuses them as miscompiled (rows marked timing_only)",
     )
     parser.add_argument(
+        "--fused-kernels",
+        default="auto",
+        choices=["auto", "never"],
+        help="hybrid families' fused norms and conv (ZorroSettings.fused_kernels) in dedup and baseline alike",
+    )
+    parser.add_argument(
         "--baselines",
         nargs="*",
         default=["packed", "hf_sdpa"],
@@ -916,6 +949,7 @@ def main() -> int:
         dedup_choice=tuple(args.dedup_backends),
         baselines=tuple(args.baselines),
         time_despite_fla_640=args.time_despite_fla_640,
+        fused_kernels=args.fused_kernels,
         sweep_prompts=tuple(args.sweep_prompts),
         sweep_micro_batch_tokens=args.sweep_micro_batch_tokens,
         baseline_samples=tuple(args.baseline_samples) or None,
