@@ -23,6 +23,8 @@
 #   zorro-profile  kernels by category for one dedup step                (~1.5 min)
 #   zorro-profile-hybrid  the same for the hybrid (full recompute; Gated DeltaNet kernels as a category; after
 #                  hybrid-tests or zorro-hybrid on the same machine, so fla's kernels are compiled)  (~2 min)
+#   zorro-profile-hybrid-torch  the same with transformers' torch norms and conv (--fused-kernels never): the A/B
+#                  of the fused kernels  (~2 min)
 #   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
 #   tree-quick     its correctness section and the first shape            (~2 min)
 #   tree-sdpa-rule sdpa vs Flex on many small trees, 4K-token trees and a trie (auto's rule)  (~3 min)
@@ -89,6 +91,8 @@ for stage in "$@"; do
     zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
     zorro-profile-hybrid) run zorro_profile_hybrid "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py --model hybrid --backend sdpa \
       --time-despite-fla-640 --baseline-samples 1 --out "$out" ;;
+    zorro-profile-hybrid-torch) run zorro_profile_hybrid_torch "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py \
+      --model hybrid --backend sdpa --fused-kernels never --time-despite-fla-640 --baseline-samples 1 --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
     tree-quick) run tree_quick 200 python3 benchmarks/tree_attention.py --quick --budget-s 170 --out "$out" ;;
     tree-sdpa-rule) run tree_sdpa_rule 240 python3 benchmarks/tree_attention.py --sdpa-rule --out "$out" ;;
