@@ -111,8 +111,9 @@ class Options:
     # tokens, as RL trainers do (verl's ppo_max_token_len_per_gpu): one sample of 1K tokens per micro-batch would
     # leave the baseline far under its MFU, and 16 one-sample groups packed alike equal the baseline.
     sweep_micro_batch_tokens: int = 32768
-    # Samples per micro-batch of the packed baseline; None: 1, and for the hybrid also 4 and 16 (fla's Gated DeltaNet
-    # recurrence is parallel over sequences and heads only, so one long sample per micro-batch starves it).
+    # Samples per micro-batch of the packed baseline; None: 1, and for the hybrid also 2, 4 and 16 (fla's Gated
+    # DeltaNet recurrence is parallel over sequences and heads only, so one long sample per micro-batch starves it;
+    # without recompute 4 samples did not fit, 2 may with the fused norms' smaller activations).
     baseline_samples: tuple[int, ...] | None = None
     # The hybrid families' fused norms and conv (ZorroSettings.fused_kernels), in the dedup and baseline runs alike.
     fused_kernels: str = "auto"
@@ -480,7 +481,7 @@ def section_hybrid(options: Options) -> list[dict[str, Any]]:
             [lengths],
             options,
             with_hf_baseline=False,
-            baseline_samples=options.baseline_samples or (1, 4, 16),
+            baseline_samples=options.baseline_samples or (1, 2, 4, 16),
         ),
         model,
     )
@@ -928,8 +929,8 @@ def main() -> int:
         nargs="*",
         type=int,
         default=[],
-        help="samples per micro-batch of the packed baseline, each timed (the fastest counts); default 1, and 1 4 16 "
-        "for the hybrid",
+        help="samples per micro-batch of the packed baseline, each timed (the fastest counts); default 1, and 1 2 4 16 "
+        "for the hybrid (2: without recompute, 4 did not fit)",
     )
     args = parser.parse_args()
     if args.plot_from is not None:
