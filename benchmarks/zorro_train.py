@@ -207,6 +207,18 @@ def _loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], scale: float) 
     return loss * scale
 
 
+def _patch_for_training(model: Any, backend: str, fused_kernels: str) -> None:
+    """The patch both steps run under: "memory" logits (only response tokens' logits, chunked)."""
+    apply_zorro(
+        model,
+        patch_forward=False,
+        attention_backend=backend,
+        logits_mode="memory",
+        logits_chunk_size=2048,
+        fused_kernels=fused_kernels,
+    )
+
+
 def dedup_step(
     model: Any,
     batch: dict[str, torch.Tensor],
@@ -221,14 +233,7 @@ def dedup_step(
     micro_batches = [batch] if groups is None else [select_samples(batch, rows) for rows in groups]
 
     def step() -> None:
-        apply_zorro(
-            model,
-            patch_forward=False,
-            attention_backend=backend,
-            logits_mode="memory",
-            logits_chunk_size=2048,
-            fused_kernels=fused_kernels,
-        )
+        _patch_for_training(model, backend, fused_kernels)
         for micro in micro_batches:
             plan = plan_batch(micro["input_ids"], width, micro["attention_mask"], micro["position_ids"])
             output = zorro_forward(model, plan)
@@ -247,14 +252,7 @@ def baseline_step(
     micro_batches = [select_samples(batch, rows[i : i + per_micro_batch]) for i in range(0, len(rows), per_micro_batch)]
 
     def step() -> None:
-        apply_zorro(
-            model,
-            patch_forward=False,
-            attention_backend=backend,
-            logits_mode="memory",
-            logits_chunk_size=2048,
-            fused_kernels=fused_kernels,
-        )
+        _patch_for_training(model, backend, fused_kernels)
         for micro in micro_batches:
             plan = plan_batch(
                 micro["input_ids"], width, micro["attention_mask"], micro["position_ids"], deduplicate=False

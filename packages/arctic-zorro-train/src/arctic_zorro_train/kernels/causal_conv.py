@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from arctic_zorro_train.kernels._launch_support import accumulator_dtype, new_buffer
+
 __all__ = ["CausalConvTiles", "causal_conv_usable", "causal_depthwise_conv"]
 
 MAX_WIDTH = 8
@@ -135,15 +137,9 @@ def _accumulator_dtype(dtype: torch.dtype) -> Any:
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if poison_outputs:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _weights_by_tap(weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
     """``weight [C, K]`` -> ``[K, C]`` in the accumulator dtype: each tap's weights load contiguously."""
-    accumulator = torch.float64 if x_dtype == torch.float64 else torch.float32
+    accumulator = accumulator_dtype(x_dtype)
     return weight.t().to(accumulator).contiguous()
 
 
@@ -156,7 +152,7 @@ def _launch_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: CausalConvTiles
 ) -> torch.Tensor:
     num_tokens, num_channels = x.shape
-    out = _new_buffer((num_tokens, num_channels), x.dtype, x.device)
+    out = new_buffer((num_tokens, num_channels), x.dtype, x.device, poison=poison_outputs)
     if out.numel() == 0:
         return out
     block_t = _block(tiles.forward_block_t, num_tokens)
@@ -187,8 +183,8 @@ def _launch_backward(
     """(dx ``[T, C]`` in x's dtype, dweight ``[C, K]`` and dbias ``[C]`` (None without a bias) in weight's dtype)."""
     num_tokens, num_channels = x.shape
     width = weight.shape[1]
-    accumulator = torch.float64 if x.dtype == torch.float64 else torch.float32
-    grad_x = _new_buffer((num_tokens, num_channels), x.dtype, x.device)
+    accumulator = accumulator_dtype(x.dtype)
+    grad_x = new_buffer((num_tokens, num_channels), x.dtype, x.device, poison=poison_outputs)
     if grad_x.numel() == 0:
         grad_weight = torch.zeros_like(weight)
         return grad_x, grad_weight, torch.zeros(num_channels, dtype=weight.dtype, device=x.device) if has_bias else None
@@ -197,8 +193,10 @@ def _launch_backward(
     block_c = _block(tiles.backward_block_c, num_channels)
     tiles_per_program = min(tiles.backward_tiles_per_program, triton.cdiv(num_tokens, block_t))
     num_chunks = triton.cdiv(num_tokens, block_t * tiles_per_program)
-    grad_weight_partial = _new_buffer((num_chunks, width, num_channels), accumulator, x.device)
-    grad_bias_partial = _new_buffer((num_chunks, num_channels) if has_bias else (1,), accumulator, x.device)
+    grad_weight_partial = new_buffer((num_chunks, width, num_channels), accumulator, x.device, poison=poison_outputs)
+    grad_bias_partial = new_buffer(
+        (num_chunks, num_channels) if has_bias else (1,), accumulator, x.device, poison=poison_outputs
+    )
     grid = (num_chunks, triton.cdiv(num_channels, block_c))
     _causal_conv_backward_kernel[grid](
         x,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from arctic_zorro_train.kernels._launch_support import accumulator_dtype, new_buffer
 from arctic_zorro_train.kernels._norm_kernels import (
     _gated_backward_kernel,
     _gated_forward_kernel,
@@ -87,20 +88,8 @@ def _backward_programs(device: torch.device, tiling: _RowTiling, num_rows: int) 
     return max(1, min(programs, tiling.row_blocks(num_rows)))
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the kernels compute in: float64 for float64 inputs (as transformers does inside
-    ``arctic_zorro_train.testing.float64_everywhere``, where the exactness tests run), fp32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _compute_dtype(dtype: torch.dtype) -> Any:
     return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if poison_outputs:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -144,8 +133,8 @@ class _ZeroCenteredRMSNorm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         num_rows, width = x.shape
         tiling = _row_tiling(num_rows, width)
-        out = _new_output((num_rows, width), x.dtype, x.device)
-        rstd = _new_output((num_rows,), _accumulator(x.dtype), x.device)
+        out = new_buffer((num_rows, width), x.dtype, x.device, poison=poison_outputs)
+        rstd = new_buffer((num_rows,), accumulator_dtype(x.dtype), x.device, poison=poison_outputs)
         if num_rows > 0:
             _zero_centered_forward_kernel[(tiling.row_blocks(num_rows),)](
                 x,
@@ -172,8 +161,8 @@ class _ZeroCenteredRMSNorm(torch.autograd.Function):
         num_rows, width = x.shape
         tiling = _row_tiling(num_rows, width)
         programs = _backward_programs(x.device, tiling, num_rows)
-        grad_x = _new_output((num_rows, width), x.dtype, x.device)
-        grad_weight_partial = _new_output((programs, width), _accumulator(x.dtype), x.device)
+        grad_x = new_buffer((num_rows, width), x.dtype, x.device, poison=poison_outputs)
+        grad_weight_partial = new_buffer((programs, width), accumulator_dtype(x.dtype), x.device, poison=poison_outputs)
         if num_rows > 0:
             _zero_centered_backward_kernel[(programs,)](
                 x,
@@ -207,8 +196,8 @@ class _GatedRMSNorm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         num_rows, width = x.shape
         tiling = _row_tiling(num_rows, width)
-        out = _new_output((num_rows, width), x.dtype, x.device)
-        rstd = _new_output((num_rows,), _accumulator(x.dtype), x.device)
+        out = new_buffer((num_rows, width), x.dtype, x.device, poison=poison_outputs)
+        rstd = new_buffer((num_rows,), accumulator_dtype(x.dtype), x.device, poison=poison_outputs)
         if num_rows > 0:
             _gated_forward_kernel[(tiling.row_blocks(num_rows),)](
                 x,
@@ -239,9 +228,9 @@ class _GatedRMSNorm(torch.autograd.Function):
         num_rows, width = x.shape
         tiling = _row_tiling(num_rows, width)
         programs = _backward_programs(x.device, tiling, num_rows)
-        grad_x = _new_output((num_rows, width), x.dtype, x.device)
-        grad_gate = _new_output((num_rows, width), gate.dtype, x.device)
-        grad_weight_partial = _new_output((programs, width), _accumulator(x.dtype), x.device)
+        grad_x = new_buffer((num_rows, width), x.dtype, x.device, poison=poison_outputs)
+        grad_gate = new_buffer((num_rows, width), gate.dtype, x.device, poison=poison_outputs)
+        grad_weight_partial = new_buffer((programs, width), accumulator_dtype(x.dtype), x.device, poison=poison_outputs)
         if num_rows > 0:
             _gated_backward_kernel[(programs,)](
                 x,
@@ -285,7 +274,7 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     Returns:
         ``[..., D]`` in ``x``'s dtype, equal to the module's output up to the order of the fp32 row sum. The backward
         gives ``x``'s gradient in ``x``'s dtype and ``weight``'s in ``weight``'s dtype, both computed in fp32
-        (float64 for float64 x, see ``_accumulator``; the weight's summed over rows deterministically).
+        (float64 for float64 x, see ``accumulator_dtype``; the weight's summed over rows deterministically).
 
     Raises:
         ValueError: a dtype outside those four, inputs on different devices, ``weight`` not ``[D]``, or ``D`` above
