@@ -67,15 +67,26 @@ def _conv_case(channels: int, width: int) -> Callable[..., Any]:
     return build
 
 
+def _swiglu_case(width: int) -> Callable[..., Any]:
+    def build(device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, int]:
+        from arctic_zorro_train.kernels.reference import swiglu_reference
+        from arctic_zorro_train.kernels.swiglu import swiglu
+
+        return swiglu_reference, swiglu, 2
+
+    return build
+
+
 def cases(tokens: int) -> list[Case]:
     """The hybrid's shapes: 32 value heads x 128 (gated norm), hidden 2560, q/k norms over 16/4 heads x 256, the
-    conv over 2 x 16 x 128 + 32 x 128 = 8192 channels, width 4."""
+    conv over 2 x 16 x 128 + 32 x 128 = 8192 channels, width 4, the MLP's SwiGLU over 9216."""
     return [
         Case("gated_rms_norm", (tokens * 32, 128), _norm_case("gated", 128), 2),
         Case("zero_centered_rms_norm hidden", (tokens, 2560), _norm_case("zero_centered", 2560), 1),
         Case("zero_centered_rms_norm q heads", (tokens, 16, 256), _norm_case("zero_centered", 256), 1),
         Case("zero_centered_rms_norm k heads", (tokens, 4, 256), _norm_case("zero_centered", 256), 1),
         Case("causal_depthwise_conv", (tokens, 8192), _conv_case(8192, 4), 1),
+        Case("swiglu", (tokens, 9216), _swiglu_case(9216), 2),
     ]
 
 

@@ -35,6 +35,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     """Counts the calls of the fused kernels (wrapping them where the patched layers import them from)."""
     import arctic_zorro_train.kernels.causal_conv as causal_conv
     import arctic_zorro_train.kernels.norms as norms
+    import arctic_zorro_train.kernels.swiglu as swiglu
 
     calls: Counter[str] = Counter()
 
@@ -50,18 +51,20 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     counting(norms, "zero_centered_rms_norm")
     counting(norms, "gated_rms_norm")
     counting(causal_conv, "causal_depthwise_conv")
+    counting(swiglu, "swiglu")
     yield calls
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def test_fused_hybrid_matches_the_per_sample_reference(family: str, kernel_calls: Counter[str]) -> None:
     overrides: dict[str, Any] = {"output_router_logits": False} if family == "qwen3_next" else {}
     model = float64_model(family, **overrides)
     compare_with_reference(model, make_batch(SAMPLES, extra_prompt_padding=2), fused_kernels="always")
-    # Every kind ran: decoder and q/k norms, the Gated DeltaNet layers' gated norms and conv.
+    # Every kind ran: decoder and q/k norms, the Gated DeltaNet layers' gated norms and conv, the MLPs' SwiGLU.
     assert kernel_calls["zero_centered_rms_norm"] > 0
     assert kernel_calls["gated_rms_norm"] > 0
     assert kernel_calls["causal_depthwise_conv"] > 0
+    assert kernel_calls["swiglu"] > 0
 
 
 def test_never_keeps_the_transformers_code(kernel_calls: Counter[str]) -> None:

@@ -83,10 +83,13 @@ class ArchitectureTable:
     attention_classes: tuple[str, ...]
     linear_attention: LinearAttentionTable | None = None
     router_classes: tuple[str, ...] = ()
-    # RMSNorm classes with a fused kernel (``arctic_zorro_train.fused``): ``x_hat * (1 + weight)`` ones and the
-    # gated ones of the Gated DeltaNet layers (``weight * x_hat * silu(gate)``).
+    # Classes with fused kernels (``arctic_zorro_train.fused``; the hybrid families only, whose baseline is the same
+    # patched packed path): RMSNorms ``x_hat * (1 + weight)``, the Gated DeltaNet layers' gated ones
+    # (``weight * x_hat * silu(gate)``).
     zero_centered_norm_classes: tuple[str, ...] = ()
     gated_norm_classes: tuple[str, ...] = ()
+    # MLP classes (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) whose SwiGLU runs fused when the act is silu.
+    mlp_classes: tuple[str, ...] = ()
 
     @property
     def is_hybrid(self) -> bool:
@@ -114,6 +117,7 @@ QWEN3_NEXT = ArchitectureTable(
     router_classes=("Qwen3NextTopKRouter",),
     zero_centered_norm_classes=("Qwen3NextRMSNorm",),
     gated_norm_classes=("Qwen3NextRMSNormGated",),
+    mlp_classes=("Qwen3NextMLP",),
 )
 
 # Qwen3.5 / Qwen3.6 checkpoints: the VLM wrapper has model_type "qwen3_5", its text config "qwen3_5_text".
@@ -124,6 +128,7 @@ QWEN3_5 = ArchitectureTable(
     linear_attention=LinearAttentionTable(("Qwen3_5GatedDeltaNet",), _qwen3_5_projections),
     zero_centered_norm_classes=("Qwen3_5RMSNorm",),
     gated_norm_classes=("Qwen3_5RMSNormGated",),
+    mlp_classes=("Qwen3_5MLP",),
 )
 
 QWEN3_5_MOE = ArchitectureTable(
@@ -134,6 +139,7 @@ QWEN3_5_MOE = ArchitectureTable(
     router_classes=("Qwen3_5MoeTopKRouter",),
     zero_centered_norm_classes=("Qwen3_5MoeRMSNorm",),
     gated_norm_classes=("Qwen3_5MoeRMSNormGated",),
+    mlp_classes=("Qwen3_5MoeMLP",),
 )
 
 # The generic path: Llama-like models whose attention is the stock transformers attention (projections, RoPE, then

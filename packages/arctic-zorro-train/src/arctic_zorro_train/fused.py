@@ -1,5 +1,6 @@
 """Where a patched model runs fused Triton kernels instead of transformers' torch code (``fused_kernels`` setting).
 
+The SwiGLU of the MLPs (``silu(gate) * up``: two elementwise kernels forward, three backward) is fused too.
 On the H200 the hybrid families' torch glue around the big matrix multiplies costs more than the Gated DeltaNet
 kernels themselves (``benchmarks/results/zorro_profile_hybrid.json``): every RMSNorm is ~6 fp32 elementwise passes
 forward and more backward, the gated RMSNorm of every Gated DeltaNet layer the same over ``[tokens * heads, 128]``,
@@ -21,7 +22,7 @@ from torch import nn
 from arctic_dedup._triton_support import interpreting, triton_available
 from arctic_zorro_train.errors import ZorroPatchError
 
-__all__ = ["FUSED_KERNEL_MODES", "FusedKernels", "fused_norm_forward", "use_fused_kernels"]
+__all__ = ["FUSED_KERNEL_MODES", "FusedKernels", "fused_mlp_forward", "fused_norm_forward", "use_fused_kernels"]
 
 FusedKernels = Literal["auto", "always", "never"]
 FUSED_KERNEL_MODES: tuple[str, ...] = ("auto", "always", "never")
@@ -73,3 +74,15 @@ def fused_norm_forward(
 
         return gated_rms_norm(hidden_states, gate, attributes.weight, float(attributes.variance_epsilon))
     return original(module, hidden_states, gate)  # type: ignore[no-any-return]
+
+
+def fused_mlp_forward(module: nn.Module, mode: FusedKernels, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A transformers SwiGLU MLP's forward (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) with the product
+    fused where ``mode`` allows it and the activation is silu; the module's own code otherwise."""
+    layers: Any = module
+    if getattr(layers.config, "hidden_act", None) == "silu" and use_fused_kernels(mode, hidden_states):
+        from arctic_zorro_train.kernels.swiglu import swiglu
+
+        return layers.down_proj(swiglu(layers.gate_proj(hidden_states), layers.up_proj(hidden_states)))  # type: ignore[no-any-return]
+    original: Any = type(module).forward
+    return original(module, hidden_states)  # type: ignore[no-any-return]

@@ -27,7 +27,7 @@ from arctic_zorro_train.attention import AttentionConfigView, register_zorro_att
 from arctic_zorro_train.context import CONTEXT_KWARG, ZorroContext
 from arctic_zorro_train.errors import ZorroPatchError
 from arctic_zorro_train.families import ArchitectureTable, resolve_architecture
-from arctic_zorro_train.fused import fused_norm_forward, use_fused_kernels
+from arctic_zorro_train.fused import fused_mlp_forward, fused_norm_forward, use_fused_kernels
 from arctic_zorro_train.gated_delta import gated_delta_tree_forward
 from arctic_zorro_train.settings import ZorroSettings
 
@@ -164,6 +164,10 @@ def _gated_norm_forward(self: nn.Module, hidden_states: torch.Tensor, gate: torc
     return fused_norm_forward(self, "gated", _layer_patch(self).settings.fused_kernels, hidden_states, gate)
 
 
+def _mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return fused_mlp_forward(self, _layer_patch(self).settings.fused_kernels, hidden_states)
+
+
 def _patch_layer(patch: ZorroPatch, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
     patch.undo_steps.append(_set_attribute(module, LAYER_PATCH_ATTRIBUTE, patch))
     patch.undo_steps.append(_set_attribute(module, "forward", types.MethodType(forward, module)))
@@ -297,6 +301,8 @@ def apply_zorro(
             _patch_layer(patch, module, _gated_norm_forward)
         elif name in architecture.zero_centered_norm_classes:
             _patch_layer(patch, module, _zero_centered_norm_forward)
+        elif name in architecture.mlp_classes:
+            _patch_layer(patch, module, _mlp_forward)
     patch.undo_steps.append(_set_attribute(model, PATCH_ATTRIBUTE, patch))
     if patch_forward:
         _patch_forward(patch)

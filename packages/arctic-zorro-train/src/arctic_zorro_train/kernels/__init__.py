@@ -5,4 +5,4 @@ only, the torch code stays the path on CPU. Tests run the kernels through Triton
 """
 
 # Submodules, imported where used (``norms`` and ``causal_conv`` import triton; ``reference`` is plain torch).
-__all__ = ["causal_conv", "norms", "reference"]
+__all__ = ["causal_conv", "norms", "reference", "swiglu"]

@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_depthwise_conv_reference", "gated_rms_norm_reference", "zero_centered_rms_norm_reference"]
+__all__ = [
+    "causal_depthwise_conv_reference",
+    "gated_rms_norm_reference",
+    "swiglu_reference",
+    "zero_centered_rms_norm_reference",
+]
 
 
 def zero_centered_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,3 +41,8 @@ def causal_depthwise_conv_reference(x: torch.Tensor, weight: torch.Tensor, bias:
     out = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=channels)
     # squeeze, not [0]: [0]'s backward would zero-fill [1, C, T + K - 1] and copy.
     return out.squeeze(0)[:, :tokens].t()
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, as transformers' MLPs compute it (``act_fn(gate_proj(x)) * up_proj(x)``)."""
+    return F.silu(gate) * up
