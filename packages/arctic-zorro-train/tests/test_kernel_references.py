@@ -41,3 +41,17 @@ def test_conv_twin_is_the_sum_over_taps(width: int, with_bias: bool) -> None:
             if source >= 0:
                 expected[t] += weight[:, tap] * x[source]
     torch.testing.assert_close(causal_depthwise_conv_reference(x, weight, bias), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_swiglu_twin_is_the_mlp_product() -> None:
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
+
+    from arctic_zorro_train.kernels.reference import swiglu_reference
+
+    mlp = Qwen3_5MLP(Qwen3_5TextConfig(hidden_size=16, intermediate_size=24), 24)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = mlp(x)
+        actual = mlp.down_proj(swiglu_reference(mlp.gate_proj(x), mlp.up_proj(x)))
+    assert torch.equal(actual, expected)
