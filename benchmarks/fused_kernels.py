@@ -135,6 +135,35 @@ def _run_case(case: Case, device: torch.device, dtype: torch.dtype, smoke: bool)
     return row
 
 
+# Backward tiles of the conv (block_t, block_c, warps): the default (swept on the H200 with Triton 3.6) spills 260
+# bytes per thread when Triton 3.7.1 compiles it for sm_90 (ptxas -v); these do not.
+CONV_BACKWARD_TILES = ((4, 1024, 4), (4, 1024, 8), (2, 1024, 4), (4, 512, 4))
+
+
+def conv_backward_tile_rows(tokens: int, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Forward + backward of the conv over [tokens, 8192] for each backward tile shape."""
+    from arctic_zorro_train.kernels.causal_conv import CausalConvTiles, causal_depthwise_conv
+
+    x = torch.randn(tokens, 8192, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(8192, 4, device=device, dtype=dtype, requires_grad=True)
+    upstream = torch.randn(tokens, 8192, device=device, dtype=dtype)
+    rows = []
+    for block_t, block_c, warps in CONV_BACKWARD_TILES:
+        tiles = CausalConvTiles(backward_block_t=block_t, backward_block_c=block_c, backward_num_warps=warps)
+
+        def run(tiles: CausalConvTiles = tiles) -> None:
+            torch.autograd.grad(causal_depthwise_conv(x, weight, None, tiles=tiles), (x, weight), upstream)
+
+        rows.append(
+            {
+                "kernel": "causal_depthwise_conv backward tiles",
+                "tiles": f"{block_t}x{block_c}, {warps} warps",
+                "fused_forward_backward_ms": cuda_time_ms(run),
+            }
+        )
+    return rows
+
+
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -177,7 +206,9 @@ def main() -> None:
     print(f"copy {copy_tbps:.2f} TB/s")
     columns = ["kernel", "shape", "torch_forward_backward_ms", "fused_forward_backward_ms", "forward_backward_speedup"]
     print_table(rows, [*columns, "fused_forward_tbps", "fused_forward_backward_tbps", "max_abs_difference"])
-    summary = {"tokens": tokens, "dtype": str(dtype), "copy_tbps": copy_tbps}
+    tile_rows = conv_backward_tile_rows(tokens, device, dtype)
+    print_table(tile_rows, ["kernel", "tiles", "fused_forward_backward_ms"])
+    summary = {"tokens": tokens, "dtype": str(dtype), "copy_tbps": copy_tbps, "conv_backward_tiles": tile_rows}
     path = write_results(args.out, "fused_kernels", summary, rows)
     _plot(rows, args.out / "fused_kernels.png")
     print(f"wrote {path}")
