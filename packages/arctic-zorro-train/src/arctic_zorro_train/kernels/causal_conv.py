@@ -17,13 +17,17 @@ H200, bf16, T=8704, C=8192, K=4 (Triton 3.6): forward 86 us (3.3 TB/s; a plain c
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from arctic_zorro_train.kernels._launch_support import accumulator_dtype, new_buffer
+from arctic_zorro_train.kernels._launch_support import (
+    accumulator_dtype,
+    kernels_usable,
+    new_buffer,
+    triton_compute_dtype,
+)
 
 __all__ = ["CausalConvTiles", "causal_conv_usable", "causal_depthwise_conv"]
 
@@ -68,7 +72,6 @@ class CausalConvTiles:
 
 if _TRITON_AVAILABLE:
     import triton
-    import triton.language as tl
 
     from arctic_zorro_train.kernels._conv_kernels import (
         _causal_conv_backward_kernel,
@@ -79,11 +82,7 @@ if _TRITON_AVAILABLE:
 def causal_conv_usable(tensor: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on ``tensor``: a CUDA tensor, or a CPU tensor under Triton's interpreter
     (``TRITON_INTERPRET=1``, which must be set before ``triton`` is first imported); both need ``triton``."""
-    if not _TRITON_AVAILABLE:
-        return False
-    if tensor.is_cuda:
-        return True
-    return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _TRITON_AVAILABLE and kernels_usable(tensor)
 
 
 def _check_arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -133,10 +132,6 @@ def _rows_with_unit_channel_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(1) == 1 else tensor.contiguous()
 
 
-def _accumulator_dtype(dtype: torch.dtype) -> Any:
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _weights_by_tap(weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
     """``weight [C, K]`` -> ``[K, C]`` in the accumulator dtype: each tap's weights load contiguously."""
     accumulator = accumulator_dtype(x_dtype)
@@ -169,7 +164,7 @@ def _launch_forward(
         x.stride(0),
         WIDTH=weight.shape[1],
         HAS_BIAS=bias is not None,
-        ACCUMULATOR_DTYPE=_accumulator_dtype(x.dtype),
+        ACCUMULATOR_DTYPE=triton_compute_dtype(x.dtype),
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         num_warps=tiles.forward_num_warps,
@@ -211,7 +206,7 @@ def _launch_backward(
         grad_out.stride(0),
         WIDTH=width,
         HAS_BIAS=has_bias,
-        ACCUMULATOR_DTYPE=_accumulator_dtype(x.dtype),
+        ACCUMULATOR_DTYPE=triton_compute_dtype(x.dtype),
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         TILES_PER_PROGRAM=tiles_per_program,

@@ -12,8 +12,6 @@ one row of an fp32 ``[programs, D]`` buffer that torch sums (deterministic, no a
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +20,12 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from arctic_zorro_train.kernels._launch_support import accumulator_dtype, new_buffer
+from arctic_zorro_train.kernels._launch_support import (
+    accumulator_dtype,
+    kernels_usable,
+    new_buffer,
+    triton_compute_dtype,
+)
 from arctic_zorro_train.kernels._norm_kernels import (
     _gated_backward_kernel,
     _gated_forward_kernel,
@@ -88,10 +91,6 @@ def _backward_programs(device: torch.device, tiling: _RowTiling, num_rows: int) 
     return max(1, min(programs, tiling.row_blocks(num_rows)))
 
 
-def _compute_dtype(dtype: torch.dtype) -> Any:
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
@@ -145,7 +144,7 @@ class _ZeroCenteredRMSNorm(torch.autograd.Function):
                 width,
                 x.stride(0),
                 eps,
-                COMPUTE_DTYPE=_compute_dtype(x.dtype),
+                COMPUTE_DTYPE=triton_compute_dtype(x.dtype),
                 BLOCK_ROWS=tiling.block_rows,
                 BLOCK_WIDTH=tiling.block_width,
                 num_warps=tiling.num_warps,
@@ -175,7 +174,7 @@ class _ZeroCenteredRMSNorm(torch.autograd.Function):
                 width,
                 x.stride(0),
                 grad_out.stride(0),
-                COMPUTE_DTYPE=_compute_dtype(x.dtype),
+                COMPUTE_DTYPE=triton_compute_dtype(x.dtype),
                 BLOCK_ROWS=tiling.block_rows,
                 BLOCK_WIDTH=tiling.block_width,
                 num_warps=tiling.num_warps,
@@ -210,8 +209,7 @@ class _GatedRMSNorm(torch.autograd.Function):
                 x.stride(0),
                 gate.stride(0),
                 eps,
-                # fp64 when the product is (torch then multiplies by silu in fp64 too), fp32 otherwise.
-                COMPUTE_DTYPE=_compute_dtype(x.dtype),
+                COMPUTE_DTYPE=triton_compute_dtype(x.dtype),
                 **_product_constants(weight.dtype, x.dtype),
                 BLOCK_ROWS=tiling.block_rows,
                 BLOCK_WIDTH=tiling.block_width,
@@ -247,7 +245,7 @@ class _GatedRMSNorm(torch.autograd.Function):
                 gate.stride(0),
                 grad_out.stride(0),
                 **_product_constants(weight.dtype, x.dtype),
-                COMPUTE_DTYPE=_compute_dtype(x.dtype),
+                COMPUTE_DTYPE=triton_compute_dtype(x.dtype),
                 BLOCK_ROWS=tiling.block_rows,
                 BLOCK_WIDTH=tiling.block_width,
                 num_warps=tiling.num_warps,
@@ -313,8 +311,4 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 def fused_norms_usable(tensor: torch.Tensor) -> bool:
     """Whether the fused norms can run on ``tensor``: a CUDA tensor, or a CPU one under ``TRITON_INTERPRET=1``."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if tensor.is_cuda:
-        return True
-    return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return kernels_usable(tensor)

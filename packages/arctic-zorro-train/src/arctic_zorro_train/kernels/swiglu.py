@@ -13,7 +13,7 @@ import torch
 import triton
 from torch.autograd.function import once_differentiable
 
-from arctic_zorro_train.kernels._launch_support import new_buffer
+from arctic_zorro_train.kernels._launch_support import new_buffer, triton_compute_dtype
 from arctic_zorro_train.kernels._swiglu_kernels import _swiglu_backward_kernel, _swiglu_forward_kernel
 
 __all__ = ["swiglu"]
@@ -24,19 +24,13 @@ _BLOCK = 2048
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _compute_dtype(dtype: torch.dtype) -> Any:
-    import triton.language as tl
-
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         out = new_buffer(tuple(gate.shape), gate.dtype, gate.device, poison=poison_outputs)
         if gate.numel():
             _swiglu_forward_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](
-                gate, up, out, gate.numel(), COMPUTE_DTYPE=_compute_dtype(gate.dtype), BLOCK=_BLOCK
+                gate, up, out, gate.numel(), COMPUTE_DTYPE=triton_compute_dtype(gate.dtype), BLOCK=_BLOCK
             )
         ctx.save_for_backward(gate, up)
         return out
@@ -56,7 +50,7 @@ class _SwiGLU(torch.autograd.Function):
                 grad_gate,
                 grad_up,
                 gate.numel(),
-                COMPUTE_DTYPE=_compute_dtype(gate.dtype),
+                COMPUTE_DTYPE=triton_compute_dtype(gate.dtype),
                 BLOCK=_BLOCK,
             )
         return grad_gate, grad_up
