@@ -21,8 +21,16 @@ from torch import nn
 
 from arctic_dedup._triton_support import interpreting, triton_available
 from arctic_zorro_train.errors import ZorroPatchError
+from arctic_zorro_train.kernels._launch_support import kernels_usable
 
-__all__ = ["FUSED_KERNEL_MODES", "FusedKernels", "fused_mlp_forward", "fused_norm_forward", "use_fused_kernels"]
+__all__ = [
+    "FUSED_KERNEL_MODES",
+    "FusedKernels",
+    "fused_gated_norm_forward",
+    "fused_mlp_forward",
+    "fused_zero_centered_norm_forward",
+    "use_fused_kernels",
+]
 
 FusedKernels = Literal["auto", "always", "never"]
 FUSED_KERNEL_MODES: tuple[str, ...] = ("auto", "always", "never")
@@ -32,48 +40,42 @@ def use_fused_kernels(mode: FusedKernels, tensor: torch.Tensor) -> bool:
     """Whether a fused kernel runs on ``tensor`` under ``mode`` (see the module docstring)."""
     if mode == "never":
         return False
-    if tensor.is_cuda:
-        return triton_available()
-    if mode == "always":
-        if tensor.device.type == "cpu" and interpreting() and triton_available():
-            return True
-        raise ZorroPatchError(
-            f"fused_kernels='always' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before triton "
-            f"is imported; got a {tensor.device.type} tensor (interpreter: {interpreting()}). Use "
-            "fused_kernels='auto' (CUDA only) or 'never'."
-        )
-    return False
+    if mode == "auto":
+        return tensor.is_cuda and triton_available()
+    if kernels_usable(tensor):
+        return True
+    raise ZorroPatchError(
+        f"fused_kernels='always' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before triton "
+        f"is imported; got a {tensor.device.type} tensor (interpreter: {interpreting()}). Use "
+        "fused_kernels='auto' (CUDA only) or 'never'."
+    )
 
 
-def fused_norm_forward(
-    module: nn.Module,
-    kind: Literal["zero_centered", "gated"],
-    mode: FusedKernels,
-    hidden_states: torch.Tensor,
-    gate: torch.Tensor | None = None,
+def fused_zero_centered_norm_forward(
+    module: nn.Module, mode: FusedKernels, hidden_states: torch.Tensor
 ) -> torch.Tensor:
-    """One transformers RMSNorm module's forward: the fused kernel where ``mode`` allows it, the module's own code
-    otherwise.
-
-    ``kind``: ``"zero_centered"`` for ``Qwen3_5RMSNorm``-like modules (``x_hat * (1 + weight)``, attribute ``eps``),
-    ``"gated"`` for ``Qwen3_5RMSNormGated``-like ones (``weight * x_hat * silu(gate)``, ``variance_epsilon``). The
-    kernels are imported at first use, so triton is imported only where it runs (after TRITON_INTERPRET is set).
-    """
-    original: Any = type(module).forward
+    """A ``Qwen3_5RMSNorm``-like module's forward (``x_hat * (1 + weight)``): the fused kernel where ``mode`` allows
+    it, the module's own code otherwise. Kernels are imported at first use, so triton is imported only where it runs
+    (after TRITON_INTERPRET is set)."""
     attributes: Any = module
-    if kind == "zero_centered":
-        if use_fused_kernels(mode, hidden_states):
-            from arctic_zorro_train.kernels.norms import zero_centered_rms_norm
+    if use_fused_kernels(mode, hidden_states):
+        from arctic_zorro_train.kernels.norms import zero_centered_rms_norm
 
-            return zero_centered_rms_norm(hidden_states, attributes.weight, float(attributes.eps))
-        return original(module, hidden_states)  # type: ignore[no-any-return]
-    if gate is None:
-        raise ValueError(f"{type(module).__name__} is a gated RMSNorm: call it with (hidden_states, gate).")
+        return zero_centered_rms_norm(hidden_states, attributes.weight, float(attributes.eps))
+    return type(module).forward(module, hidden_states)  # type: ignore[no-any-return]
+
+
+def fused_gated_norm_forward(
+    module: nn.Module, mode: FusedKernels, hidden_states: torch.Tensor, gate: torch.Tensor
+) -> torch.Tensor:
+    """A ``Qwen3_5RMSNormGated``-like module's forward (``weight * x_hat * silu(gate)``), like
+    ``fused_zero_centered_norm_forward``."""
+    attributes: Any = module
     if use_fused_kernels(mode, hidden_states):
         from arctic_zorro_train.kernels.norms import gated_rms_norm
 
         return gated_rms_norm(hidden_states, gate, attributes.weight, float(attributes.variance_epsilon))
-    return original(module, hidden_states, gate)  # type: ignore[no-any-return]
+    return type(module).forward(module, hidden_states, gate)  # type: ignore[no-any-return]
 
 
 def fused_mlp_forward(module: nn.Module, mode: FusedKernels, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -84,5 +86,4 @@ def fused_mlp_forward(module: nn.Module, mode: FusedKernels, hidden_states: torc
         from arctic_zorro_train.kernels.swiglu import swiglu
 
         return layers.down_proj(swiglu(layers.gate_proj(hidden_states), layers.up_proj(hidden_states)))  # type: ignore[no-any-return]
-    original: Any = type(module).forward
-    return original(module, hidden_states)  # type: ignore[no-any-return]
+    return type(module).forward(module, hidden_states)  # type: ignore[no-any-return]

@@ -27,7 +27,12 @@ from arctic_zorro_train.attention import AttentionConfigView, register_zorro_att
 from arctic_zorro_train.context import CONTEXT_KWARG, ZorroContext
 from arctic_zorro_train.errors import ZorroPatchError
 from arctic_zorro_train.families import ArchitectureTable, resolve_architecture
-from arctic_zorro_train.fused import fused_mlp_forward, fused_norm_forward, use_fused_kernels
+from arctic_zorro_train.fused import (
+    fused_gated_norm_forward,
+    fused_mlp_forward,
+    fused_zero_centered_norm_forward,
+    use_fused_kernels,
+)
 from arctic_zorro_train.gated_delta import gated_delta_tree_forward
 from arctic_zorro_train.settings import ZorroSettings
 
@@ -157,11 +162,11 @@ def _gated_delta_forward(
 
 
 def _zero_centered_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return fused_norm_forward(self, "zero_centered", _layer_patch(self).settings.fused_kernels, hidden_states)
+    return fused_zero_centered_norm_forward(self, _layer_patch(self).settings.fused_kernels, hidden_states)
 
 
 def _gated_norm_forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    return fused_norm_forward(self, "gated", _layer_patch(self).settings.fused_kernels, hidden_states, gate)
+    return fused_gated_norm_forward(self, _layer_patch(self).settings.fused_kernels, hidden_states, gate)
 
 
 def _mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
