@@ -1,15 +1,22 @@
-"""Bytes saved for the backward, per element: transformers' RMSNorms against the fused kernels, bf16. Counted with
-saved-tensor hooks (each distinct tensor once), so the count is the same on any device; on CPU the kernels run
-through Triton's interpreter.
+"""Bytes saved for the backward, per element: transformers' RMSNorms and SwiGLU against the fused kernels, bf16.
+Counted with saved-tensor hooks (each distinct tensor once), so the count is the same on any device; on CPU the
+kernels run through Triton's interpreter.
 
-    TRITON_INTERPRET=1 python benchmarks/fused_norm_saved_bytes.py
+    TRITON_INTERPRET=1 python benchmarks/fused_norm_saved_bytes.py    (writes fused_norm_saved_bytes.json)
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import default_out_dir, print_table, write_results
 
 
 def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
@@ -25,9 +32,14 @@ def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=default_out_dir())
+    args = parser.parse_args()
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
     from arctic_zorro_train.kernels.norms import gated_rms_norm, zero_centered_rms_norm
+    from arctic_zorro_train.kernels.reference import swiglu_reference
+    from arctic_zorro_train.kernels.swiglu import swiglu
 
     tokens = 256
     x = torch.randn(tokens * 32, 128, dtype=torch.bfloat16, requires_grad=True)
@@ -35,6 +47,8 @@ def main() -> None:
     gated = Qwen3_5RMSNormGated(128).bfloat16()
     hidden = torch.randn(tokens, 2560, dtype=torch.bfloat16, requires_grad=True)
     plain = Qwen3_5RMSNorm(2560).bfloat16()
+    mlp_gate = torch.randn(tokens, 9216, dtype=torch.bfloat16, requires_grad=True)
+    mlp_up = torch.randn_like(mlp_gate, requires_grad=True)
     cases = {
         "gated [T x 32, 128]": (
             lambda: gated(x, gate),
@@ -46,12 +60,23 @@ def main() -> None:
             lambda: zero_centered_rms_norm(hidden, plain.weight, 1e-6),
             hidden.numel(),
         ),
+        "swiglu [T, 9216]": (
+            lambda: swiglu_reference(mlp_gate, mlp_up),
+            lambda: swiglu(mlp_gate, mlp_up),
+            mlp_gate.numel(),
+        ),
     }
-    for name, (module_run, fused_run, elements) in cases.items():
-        print(
-            f"{name}: transformers saves {saved_bytes(module_run) / elements:.1f} B per element, the fused kernel "
-            f"{saved_bytes(fused_run) / elements:.1f} (its inputs and the per-row rstd)"
-        )
+    rows = [
+        {
+            "norm": name,
+            "transformers_bytes_per_element": saved_bytes(module_run) / elements,
+            "fused_bytes_per_element": saved_bytes(fused_run) / elements,
+        }
+        for name, (module_run, fused_run, elements) in cases.items()
+    ]
+    print_table(rows, ["norm", "transformers_bytes_per_element", "fused_bytes_per_element"])
+    path = write_results(args.out, "fused_norm_saved_bytes", {"dtype": "bfloat16", "tokens": tokens}, rows)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -6,15 +6,18 @@ kernel compiles with the installed Triton and whether it spills, before spending
     TRITON_INTERPRET=0 PYTHONPATH=packages/arctic-dedup/src:packages/arctic-zorro-train/src \
         python scripts/sm90_compile_report.py
 
-The constexprs are the launchers' for the hybrid benchmark's shapes (bf16 and fp32).
+The constexprs are the launchers' for the hybrid benchmark's shapes (bf16 and fp32). The report of the last run is
+committed as benchmarks/results/sm90_compile_report.txt (``--out``).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import tempfile
+import time
 from typing import Any
 
 import triton
@@ -60,11 +63,27 @@ def report(
     text = result.stderr + result.stdout
     registers = ",".join(re.findall(r"Used (\d+) registers", text))
     spills = ",".join(f"{store}/{load}" for store, load in re.findall(r"(\d+) bytes spill stores, (\d+) bytes", text))
-    print(f"{label:45s} {registers:>5s} registers, spill stores/loads (bytes) {spills}")
+    _emit(f"{label:45s} {registers:>5s} registers, spill stores/loads (bytes) {spills}")
+
+
+_LINES: list[str] = []
+
+
+def _emit(line: str) -> None:
+    print(line)
+    _LINES.append(line)
 
 
 def main() -> None:
-    print(f"triton {triton.__version__}, target sm_90a")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="also write the report to this file")
+    args = parser.parse_args()
+    commit = (
+        os.environ.get("ARCTIC_COMMIT")
+        or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+    )
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    _emit(f"{stamp}, commit {commit}, triton {triton.__version__}, target sm_90a, compiled on a CPU machine")
     f32 = tl.float32
     for dtype, name in ((tl.bfloat16, "bf16"), (tl.float32, "fp32")):
         pointers = {"*": f"*{name}", "rstd_ptr": "*fp32", "grad_weight_partial_ptr": "*fp32"}
@@ -97,6 +116,9 @@ def main() -> None:
         swiglu = {"COMPUTE_DTYPE": f32, "BLOCK": 2048}
         report(f"swiglu forward {name}", swiglu_kernels._swiglu_forward_kernel, {"*": f"*{name}"}, swiglu)
         report(f"swiglu backward {name}", swiglu_kernels._swiglu_backward_kernel, {"*": f"*{name}"}, swiglu)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write("\n".join(_LINES) + "\n")
 
 
 if __name__ == "__main__":
