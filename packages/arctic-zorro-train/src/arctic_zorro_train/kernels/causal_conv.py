@@ -2,7 +2,8 @@
 """Depthwise causal conv over the packed token stream ``x [T, C]`` (the Gated DeltaNet conv), fused in Triton.
 
 Works on the ``[T, C]`` layout directly (channels contiguous), so no transposed copies: ``F.conv1d`` needs
-``[1, C, T]`` and its depthwise kernels are ~20x slower than the bytes need on the H200. Programs tile
+``[1, C, T]`` and its depthwise kernels run far slower than the bytes need on the H200 (the hybrid profile,
+``benchmarks/results/zorro_profile_hybrid.json``: 0.78 ms per forward over [8192, 8704]). Programs tile
 ``[BLOCK_T, BLOCK_C]``; each of the ``K`` taps is one load of the tile shifted by a few rows (the halo rows come
 from L1/L2, so HBM sees each element about once).
 
@@ -10,8 +11,7 @@ The backward is one kernel: dx is the anti-causal conv of ``dout`` with the taps
 sums ``dout * x_shifted`` (dweight) and ``dout`` (dbias) over its chunk of rows into ``[num_chunks, K, C]`` and
 ``[num_chunks, C]`` fp32 partial buffers (channels contiguous) that torch sums afterwards: deterministic, no atomics.
 
-H200, bf16, T=8704, C=8192, K=4 (Triton 3.6): forward 86 us (3.3 TB/s; a plain copy of x takes 72 us), backward
-217 us (2.0 TB/s counting x, dout and dx); ``F.conv1d`` with the transposes takes 1650 us forward, 2230 us backward.
+Timing against ``F.conv1d``: ``benchmarks/fused_kernels.py``.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ class CausalConvTiles:
     buffers have ``ceil(T / (backward_block_t * backward_tiles_per_program))`` rows instead of one per tile.
     """
 
-    # Defaults: the fastest measured on the H200 (bf16, T=8704, C=8192, K=4). Tiles of more than 64 elements per
-    # thread spill (forward 64x256: 1.9 ms). The backward wants all of a tile's rows in each thread (1024 channels =
-    # 4 warps x 32 lanes x 8): its column sums then need no cross-warp reduction (64x128 tiles: 1.6x slower).
+    # Defaults: the fastest of a development sweep on the H200 (bf16, T=8704, C=8192, K=4, Triton 3.6; not recorded,
+    # benchmarks/fused_kernels.py re-times the backward's candidates). Tiles of more than 64 elements per thread
+    # spill. The backward wants all of a tile's rows in each thread (1024 channels = 4 warps x 32 lanes x 8): its
+    # column sums then need no cross-warp reduction. With Triton 3.7.1 that default spills 260 bytes per thread
+    # (benchmarks/results/sm90_compile_report.txt).
 
     forward_block_t: int = 16
     forward_block_c: int = 512

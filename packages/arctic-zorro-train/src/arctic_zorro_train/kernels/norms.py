@@ -43,8 +43,8 @@ poison_outputs = False
 # Elements per program: short rows are grouped until a program holds about this many (D=128: 32 rows).
 _ELEMENTS_PER_PROGRAM = 4096
 # Backward warps per multiprocessor: each program loops over row blocks, so this also sets the weight-gradient
-# buffer's rows. H200, bf16: the gated norm's backward over [278528, 128] takes 117 us at 16 (3.0 TB/s), 119 us at
-# 32, 159 us at 8; the zero-centered one over [8704, 2560] 61 us at 16, 53 us at 64.
+# buffer's rows. 16 was the best of a development sweep on the H200 for the gated norm over [278528, 128] (not
+# recorded; benchmarks/fused_kernels.py times the result).
 _BACKWARD_WARPS_PER_SM = 16
 # Under the interpreter programs run one after another; a few keep the loop and the partial sums exercised.
 _INTERPRETED_BACKWARD_PROGRAMS = 3
