@@ -33,6 +33,7 @@
 #   fca-diagnose   forest decode diagnosis                               (~3 min)
 #   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
 #   fused-kernels  the hybrid's fused norms and conv against transformers' torch code  (~1 min)
+#   kernel-tests   the GPU tests of those fused kernels (norms, conv, SwiGLU, fused hybrid models)  (~1 min)
 #   pack-unpack    pack/unpack bandwidth sweep                           (~1 min)
 # The exit status is that of the last stage that failed (0 when all succeeded).
 set -uo pipefail
@@ -102,6 +103,10 @@ for stage in "$@"; do
     forest-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run forest_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-dedup/tests/forest/test_forest_gpu.py ;;
     fused-kernels) run fused_kernels 150 python3 benchmarks/fused_kernels.py --out "$out" ;;
+    kernel-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run kernel_tests 240 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_fused_norms.py \
+      packages/arctic-zorro-train/tests/test_causal_conv.py packages/arctic-zorro-train/tests/test_swiglu.py \
+      packages/arctic-zorro-train/tests/test_fused_model.py ;;
     pack-unpack) run pack_unpack 150 python3 benchmarks/pack_unpack.py --out "$out" ;;
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
   esac
