@@ -4,9 +4,10 @@ Profiles one warm step of the deduplicated run (Qwen3-4B shape, P=8192, G=16, R=
 given) and of the plain transformers + SDPA baseline over a few of the same samples, so the two can be compared per
 category (matrix multiplies, attention, fused elementwise, copies, pack/unpack, the rest) and per useful FLOP.
 
-With ``--model hybrid`` it profiles the Qwen3.5-like hybrid instead (full recompute in both runs, since the dedup
-stream does not fit without it; the baseline is the packed path without sharing, as in zorro_train.py), with the
-Gated DeltaNet kernels as a category of their own.
+With ``--model hybrid`` it profiles the Qwen3.5-like hybrid instead (full recompute in both runs by default;
+``--recompute none`` as zorro_train.py's hybrid rows now run, where the dedup stream fits with the fused kernels; the
+baseline is the packed path without sharing, as in zorro_train.py), with the Gated DeltaNet kernels as a category
+of their own.
 
 Run on the H200:  python benchmarks/zorro_profile.py --out "$OUT"   (about a minute)
                   python benchmarks/zorro_profile.py --model hybrid --time-despite-fla-640 --out "$OUT"
@@ -75,7 +76,7 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_step(step: Any, model: Any) -> dict[str, Any]:
+def profile_step(step: Any, model: Any, top_kernels: int = 30) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     step()  # warm-up: compiles, caches
     model.zero_grad(set_to_none=True)
@@ -104,7 +105,7 @@ def profile_step(step: Any, model: Any) -> dict[str, Any]:
     by_category: dict[str, float] = defaultdict(float)
     for name, (ms, _) in per_kernel.items():
         by_category[category(name)] += ms
-    top = sorted(per_kernel.items(), key=lambda item: -item[1][0])[:30]
+    top = sorted(per_kernel.items(), key=lambda item: -item[1][0])[:top_kernels]
     return {
         "wall_ms": wall_ms,
         "kernel_ms": kernel_ms,
@@ -127,6 +128,13 @@ def main() -> None:
         help="hybrid: fused norms and conv (ZorroSettings.fused_kernels); 'never' profiles transformers' torch code",
     )
     parser.add_argument(
+        "--recompute",
+        default="full",
+        choices=["full", "none"],
+        help="hybrid: gradient checkpointing of every layer (full) or none, in both runs",
+    )
+    parser.add_argument("--top", type=int, default=30, help="how many of the longest kernels to keep per run")
+    parser.add_argument(
         "--time-despite-fla-640",
         action="store_true",
         help="hybrid: profile fla's gated kernels even where fla refuses them as miscompiled (timing only)",
@@ -141,12 +149,12 @@ def main() -> None:
     )
     timing_only = hybrid and lift_fla_640_guard_if_asked(options)
     model = build_model(args.model, options)
-    if hybrid:
+    if hybrid and args.recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     prompts, responses = [8192], [[512] * 16]
     batch = group_batch(prompts, responses, model.config.vocab_size, options.device)
     cost, _ = _cost_row(model, prompts, responses)
-    dedup = profile_step(dedup_step(model, batch, args.backend, fused_kernels=args.fused_kernels), model)
+    dedup = profile_step(dedup_step(model, batch, args.backend, fused_kernels=args.fused_kernels), model, args.top)
     dedup["tflops"] = cost.flops_dedup / dedup["wall_ms"] / 1e9
     dedup["mfu"] = dedup["tflops"] / PEAK_TFLOPS
     few = args.baseline_samples
@@ -154,14 +162,14 @@ def main() -> None:
     baseline_run = (
         baseline_step(model, samples, "sdpa", 1, args.fused_kernels) if hybrid else hf_sdpa_step(model, samples)
     )
-    baseline = profile_step(baseline_run, model)
+    baseline = profile_step(baseline_run, model, args.top)
     baseline["scaled_to_samples"] = 16
     baseline["tflops"] = cost.flops_base * few / 16 / baseline["wall_ms"] / 1e9
     baseline["mfu"] = baseline["tflops"] / PEAK_TFLOPS
     results: dict[str, Any] = {
         "meta": run_metadata(),
         "model": args.model,
-        "recompute": "full" if hybrid else "none",
+        "recompute": args.recompute if hybrid else "none",
         "backend": args.backend,
         "fused_kernels": args.fused_kernels,
         "dedup": dedup,
@@ -173,6 +181,8 @@ def main() -> None:
     name = "zorro_profile_hybrid" if hybrid else "zorro_profile"
     if hybrid and args.fused_kernels != "auto":
         name += f"_fused_{args.fused_kernels}"
+    if hybrid and args.recompute == "none":
+        name += "_no_recompute"
     path = args.out / f"{name}.json"
     path.write_text(json.dumps(results, indent=1))
     baseline_label = f"packed baseline x{few}" if hybrid else f"hf sdpa x{few}"

@@ -25,6 +25,9 @@
 #                  hybrid-tests or zorro-hybrid on the same machine, so fla's kernels are compiled)  (~2 min)
 #   zorro-profile-hybrid-torch  the same with transformers' torch norms and conv (--fused-kernels never): the A/B
 #                  of the fused kernels  (~2 min)
+#   zorro-profile-hybrid-nr  the hybrid profile without recompute (dedup vs 2 packed samples, 80 kernels kept)  (~1 min)
+#   bf16-noise-hybrid  where the hybrid's bf16 gradient error comes from: dedup and two non-dedup controls against the
+#                  fp32 truth, seeds 0-2 of the hybrid GPU test's batch, fused kernels on and off  (~3 min)
 #   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
 #   tree-quick     its correctness section and the first shape            (~2 min)
 #   tree-sdpa-rule sdpa vs Flex on many small trees, 4K-token trees and a trie (auto's rule)  (~3 min)
@@ -94,6 +97,10 @@ for stage in "$@"; do
       --time-despite-fla-640 --baseline-samples 1 --out "$out" ;;
     zorro-profile-hybrid-torch) run zorro_profile_hybrid_torch "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py \
       --model hybrid --backend sdpa --fused-kernels never --time-despite-fla-640 --baseline-samples 1 --out "$out" ;;
+    zorro-profile-hybrid-nr) run zorro_profile_hybrid_nr "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py \
+      --model hybrid --backend sdpa --recompute none --top 80 --time-despite-fla-640 --baseline-samples 2 --out "$out" ;;
+    bf16-noise-hybrid) run bf16_noise_hybrid 300 python3 benchmarks/zorro_bf16_noise.py --family qwen3_5 \
+      --seeds 0 1 2 --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
     tree-quick) run tree_quick 200 python3 benchmarks/tree_attention.py --quick --budget-s 170 --out "$out" ;;
     tree-sdpa-rule) run tree_sdpa_rule 240 python3 benchmarks/tree_attention.py --sdpa-rule --out "$out" ;;
