@@ -94,25 +94,6 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def _plain_transformers_grads(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The policy-loss gradients of the unpatched model run on each sample (test_gpu's dense control)."""
-    from arctic_zorro_train import ppo_policy_loss
-    from arctic_zorro_train.testing import collect_grads, per_sample_reference
-
-    width = batch["responses"].shape[1]
-    valid = batch["attention_mask"][:, -width:].bool()
-    model.zero_grad(set_to_none=True)
-    reference = per_sample_reference(model, batch, width)
-    loss, _ = ppo_policy_loss(
-        reference.logprobs,
-        batch["old_log_probs"][valid],
-        batch["advantages"][valid],
-        batch["response_mask"][valid].float(),
-    )
-    loss.backward()
-    return {name: grad.float() for name, grad in collect_grads(model).items()}
-
-
 def hybrid_noise(out_dir: Path, seeds: list[int]) -> None:
     """Ratios to the packed baseline's distance from the truth, per parameter, for dedup and the controls."""
     import test_gpu
@@ -135,7 +116,7 @@ def hybrid_noise(out_dir: Path, seeds: list[int]) -> None:
             runs[f"dedup sdpa, fused {fused}"] = test_gpu._grads(
                 model, batch, attention_backend="sdpa", fused_kernels=fused
             )
-        runs["plain transformers"] = _plain_transformers_grads(model, batch)
+        runs["plain transformers"] = test_gpu.plain_transformers_grads(model, batch)
         distances = {
             label: {
                 name: test_gpu._one_minus_cosine(grads[name], exact)

@@ -8,7 +8,16 @@ cosine between the two bf16 runs (the issue's ``>= 0.9999``): on the H200 the no
 ``1 - cos = 2.8e-4`` away from the truth (q/k projections and q/k norms; benchmarks/results/
 zorro_bf16_noise_qwen3.json), so two equally valid bf16 roundings of the same gradient (the dedup run sums a shared
 prompt token's gradient once in fp32, the plain run rounds each copy to bf16) land 1.3-1.8e-4 apart. A real dedup
-mistake (a missed child gradient, a wrong mask) moves gradients by orders of magnitude more.
+mistake (a missed child gradient, a wrong mask) moves gradients by orders of magnitude more. On top of the per
+parameter bound, the distances summed over all parameters may not exceed ``SUM_FACTOR`` times the control's sum: a
+systematic error spread thinly over many parameters shows there.
+
+The hybrid test has two non-dedup controls (the packed baseline and plain transformers on each sample) and bounds
+the dedup run by the larger of their distances: its ``A_log`` and ``dt_bias`` have 8 values per layer, and for such
+tiny vectors two equally valid non-dedup bf16 runs land up to 4.7x apart in ``1 - cos`` to the truth
+(benchmarks/results/zorro_bf16_noise_qwen3_5.json, H200, seeds 0-2: the packed baseline with and without the fused
+kernels, and plain transformers), so one control alone is no noise estimate there; a third control measured against
+the larger of the other two reached 1.49x, the dedup run 1.14-1.60x.
 
 Run on the H200 with ``nox -s gpu_tests`` (or ``pytest -m gpu packages/arctic-zorro-train/tests``).
 """
@@ -35,6 +44,8 @@ pytestmark = [
 NOISE_FACTOR = 2.0
 # A floor for parameters whose non-dedup bf16 gradient happens to be almost exact.
 NOISE_FLOOR = 1e-6
+# Measured: the dedup run's summed distance is 0.92-1.07x the control's (dense qwen3 and the hybrid, seeds 0-2).
+SUM_FACTOR = 1.3
 
 GPU_SHAPE: dict[str, Any] = {
     "vocab_size": 4096,
@@ -91,18 +102,50 @@ def _truth(model: Any, batch: dict[str, torch.Tensor], attention_backend: str = 
 
 
 def _assert_as_exact_as_plain(
-    dedup: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], label: str
+    dedup: dict[str, torch.Tensor],
+    plain: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]],
+    truth: dict[str, torch.Tensor],
+    label: str,
 ) -> None:
     """Every parameter: the dedup bf16 gradient is no further from the fp32 truth than NOISE_FACTOR times the
-    non-dedup bf16 gradient is (distances as 1 - cosine)."""
+    non-dedup bf16 gradient is (the farther one, given several controls; distances as 1 - cosine); summed over the
+    parameters, no further than SUM_FACTOR times the control's sum (the larger one)."""
+    controls = plain if isinstance(plain, list) else [plain]
     failures = []
+    dedup_total, control_totals = 0.0, [0.0] * len(controls)
     for name, exact in truth.items():
         if float(exact.norm()) == 0.0:
             continue
-        ours, theirs = _one_minus_cosine(dedup[name], exact), _one_minus_cosine(plain[name], exact)
-        if ours > NOISE_FACTOR * theirs + NOISE_FLOOR:
-            failures.append(f"{name}: 1-cos to truth {ours:.2e} vs non-dedup {theirs:.2e}")
+        ours = _one_minus_cosine(dedup[name], exact)
+        theirs = [_one_minus_cosine(control[name], exact) for control in controls]
+        dedup_total += ours
+        control_totals = [total + distance for total, distance in zip(control_totals, theirs)]
+        if ours > NOISE_FACTOR * max(theirs) + NOISE_FLOOR:
+            failures.append(f"{name}: 1-cos to truth {ours:.2e} vs non-dedup {', '.join(f'{t:.2e}' for t in theirs)}")
+    if dedup_total > SUM_FACTOR * max(control_totals):
+        failures.append(
+            f"summed over parameters: 1-cos to truth {dedup_total:.2e} vs non-dedup "
+            + ", ".join(f"{total:.2e}" for total in control_totals)
+        )
     assert not failures, f"{label}: deduplication adds gradient error beyond bf16 noise: " + "; ".join(failures)
+
+
+def plain_transformers_grads(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The policy-loss gradients of the unpatched transformers model run on each sample separately."""
+    width = batch["responses"].shape[1]
+    valid = batch["attention_mask"][:, -width:].bool()
+    from arctic_zorro_train import ppo_policy_loss
+
+    model.zero_grad(set_to_none=True)
+    reference = per_sample_reference(model, batch, width)
+    loss, _ = ppo_policy_loss(
+        reference.logprobs,
+        batch["old_log_probs"][valid],
+        batch["advantages"][valid],
+        batch["response_mask"][valid].float(),
+    )
+    loss.backward()
+    return {name: grad.float() for name, grad in collect_grads(model).items()}
 
 
 def _backends() -> list[str]:
@@ -133,20 +176,7 @@ def test_dense_bf16_gradients_match_the_non_deduplicated_run(backend: str) -> No
 def test_dense_bf16_gradients_match_plain_transformers() -> None:
     model = _model("qwen3")
     batch = _batch(seed=1)
-    width = batch["responses"].shape[1]
-    valid = batch["attention_mask"][:, -width:].bool()
-    from arctic_zorro_train import ppo_policy_loss
-
-    model.zero_grad(set_to_none=True)
-    reference = per_sample_reference(model, batch, width)
-    loss, _ = ppo_policy_loss(
-        reference.logprobs,
-        batch["old_log_probs"][valid],
-        batch["advantages"][valid],
-        batch["response_mask"][valid].float(),
-    )
-    loss.backward()
-    plain = {name: grad.float() for name, grad in collect_grads(model).items()}
+    plain = plain_transformers_grads(model, batch)
     truth = _truth(model, batch)
     dedup = _grads(model, batch, kl_coef=0.0)
     _assert_as_exact_as_plain(dedup, plain, truth, "qwen3 vs transformers sdpa")
@@ -162,5 +192,6 @@ def test_hybrid_bf16_gradients_match_the_non_deduplicated_run() -> None:
     # first on the path for fla (scripts/gpu_triton.sh), which torch's own compiler may not accept.
     truth = _truth(model, batch, attention_backend="reference")
     baseline = _grads(model, batch, deduplicate=False, attention_backend=_baseline_backend())
+    plain = plain_transformers_grads(model, batch)
     dedup = _grads(model, batch, attention_backend="sdpa")
-    _assert_as_exact_as_plain(dedup, baseline, truth, f"qwen3_5 ({kernel} Gated DeltaNet kernel)")
+    _assert_as_exact_as_plain(dedup, [baseline, plain], truth, f"qwen3_5 ({kernel} Gated DeltaNet kernel)")
