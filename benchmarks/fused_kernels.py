@@ -1,5 +1,6 @@
 """The hybrid families' fused kernels against the transformers code they replace, on the shapes of the hybrid
-benchmark (``zorro_train.py``'s ``HYBRID``: one 8704-token sample; ``--tokens`` for the dedup stream's 16384).
+benchmark (``zorro_train.py``'s ``HYBRID``: one 8704-token sample; ``--tokens`` for the dedup stream's 16384), and
+the "memory" logits mode's chunk math (2048 tokens x 151936 logits) against its torch twins.
 
 Per kernel: forward, and forward + backward (a random upstream gradient), torch module vs fused, median of CUDA
 events; bytes counted as the fewest a fused pass must move (forward: inputs read once + output written once;
@@ -164,6 +165,53 @@ def conv_backward_tile_rows(tokens: int, device: torch.device, dtype: torch.dtyp
     return rows
 
 
+def logprob_chunk_row(rows: int, vocab: int, device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
+    """The "memory" logits mode's math on one chunk of ``[rows, vocab]`` logits: statistics (forward) and the
+    logits' gradient (backward, from the saved log-normalizers), torch twins vs the fused kernels; the LM head's
+    matrix multiplies are not part of it. Bytes: the fewest a fused pass moves (logits read twice, gradient
+    written once)."""
+    from arctic_zorro_train.kernels.logprobs import logprob_logits_gradient, logprob_statistics
+    from arctic_zorro_train.kernels.reference import logprob_logits_gradient_reference, logprob_statistics_reference
+
+    logits = 4 * torch.randn(rows, vocab, device=device).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), device=device)
+    grads = torch.randn(rows, device=device)
+
+    def chunk(statistics: Callable[..., Any], gradient: Callable[..., Any], backward: bool) -> Callable[[], None]:
+        def run() -> None:
+            _, log_normalizer, _ = statistics(logits, labels, 1.0, False)
+            if backward:
+                gradient(logits, labels, log_normalizer, None, grads, None, 1.0)
+
+        return run
+
+    ours = logprob_statistics(logits, labels, 1.0, False)
+    theirs = logprob_statistics_reference(logits, labels, 1.0, False)
+    row: dict[str, Any] = {
+        "kernel": "logprob chunk (memory mode)",
+        "shape": f"{rows}x{vocab}",
+        "max_abs_difference": float((ours[0] - theirs[0]).abs().max()),
+    }
+    if smoke:
+        chunk(logprob_statistics, logprob_logits_gradient, True)()
+        return row
+    timings = {
+        "torch_forward_ms": cuda_time_ms(chunk(logprob_statistics_reference, logprob_logits_gradient_reference, False)),
+        "fused_forward_ms": cuda_time_ms(chunk(logprob_statistics, logprob_logits_gradient, False)),
+        "torch_forward_backward_ms": cuda_time_ms(
+            chunk(logprob_statistics_reference, logprob_logits_gradient_reference, True)
+        ),
+        "fused_forward_backward_ms": cuda_time_ms(chunk(logprob_statistics, logprob_logits_gradient, True)),
+    }
+    row.update(timings)
+    row["forward_speedup"] = timings["torch_forward_ms"] / timings["fused_forward_ms"]
+    row["forward_backward_speedup"] = timings["torch_forward_backward_ms"] / timings["fused_forward_backward_ms"]
+    element_bytes = torch.finfo(dtype).bits // 8
+    row["fused_forward_tbps"] = rows * vocab * element_bytes / timings["fused_forward_ms"] / 1e9
+    row["fused_forward_backward_tbps"] = 3 * rows * vocab * element_bytes / timings["fused_forward_backward_ms"] / 1e9
+    return row
+
+
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -177,7 +225,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     axis.bar([p + 0.2 for p in positions], [row["fused_forward_backward_ms"] for row in rows], 0.4, label="fused")
     axis.set_xticks(list(positions), labels, rotation=15)
     axis.set_ylabel("forward + backward, ms")
-    axis.set_title("Hybrid layers' norms and conv: transformers' torch code vs the fused kernels (H200, bf16)")
+    axis.set_title("Norms, conv, SwiGLU, log-prob chunk: torch code vs the fused kernels (H200, bf16)")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -199,6 +247,8 @@ def main() -> None:
         device, dtype, tokens = torch.device("cuda"), torch.bfloat16, args.tokens
     torch.manual_seed(0)
     rows = [_run_case(case, device, dtype, args.smoke) for case in cases(tokens)]
+    # zorro_train.py's logits_chunk_size and Qwen3's vocabulary (the smoke run: tiny)
+    rows.append(logprob_chunk_row(4 if args.smoke else 2048, 300 if args.smoke else 151936, device, dtype, args.smoke))
     if args.smoke:
         print_table(rows, ["kernel", "shape", "max_abs_difference"])
         return

@@ -52,6 +52,7 @@ from common import default_out_dir, print_table, run_metadata
 
 from arctic_dedup.cost import ModelShape, dedup_cost
 from arctic_zorro_train import apply_zorro, plan_batch, ppo_policy_loss, token_logprobs, zorro_forward
+from arctic_zorro_train.fused import use_fused_kernels
 
 PEAK_TFLOPS = 775.0
 NAME = "zorro_train"
@@ -279,8 +280,14 @@ def hf_sdpa_step(model: Any, batch: dict[str, torch.Tensor]) -> Callable[[], Non
         for row, ids, positions, prompt, length in samples:
             # squeeze, like zorro_forward: a view both ways (indexing [0] would zero-fill and copy in the backward)
             hidden = backbone(input_ids=ids[None], position_ids=positions[None], use_cache=False)[0].squeeze(0)
+            # the same log-prob chunk math as the patched runs (fused kernels on CUDA, as their "auto" setting)
             out = token_logprobs(
-                hidden[prompt - 1 : length - 1], ids[prompt:length], model.lm_head, mode="memory", chunk_size=2048
+                hidden[prompt - 1 : length - 1],
+                ids[prompt:length],
+                model.lm_head,
+                mode="memory",
+                chunk_size=2048,
+                fused=use_fused_kernels("auto", hidden),
             )
             micro = select_samples(batch, [row])
             _loss(out.logprobs, micro, float(micro["response_mask"].sum()) / total).backward()

@@ -36,7 +36,8 @@
 #   fca-diagnose   forest decode diagnosis                               (~3 min)
 #   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
 #   fused-kernels  the hybrid's fused norms and conv against transformers' torch code  (~1 min)
-#   kernel-tests   the GPU tests of those fused kernels (norms, conv, SwiGLU, fused hybrid models)  (~1 min)
+#   kernel-tests   the GPU tests of the fused kernels (norms, conv, SwiGLU, log-prob chunk, fused hybrids)  (~1 min)
+#   dense-tests    the dense bf16 gradient tests of arctic-zorro-train (every tree-attention backend)  (~1 min)
 #   pack-unpack    pack/unpack bandwidth sweep                           (~1 min)
 # The exit status is that of the last stage that failed (0 when all succeeded).
 set -uo pipefail
@@ -113,7 +114,9 @@ for stage in "$@"; do
     kernel-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run kernel_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_fused_norms.py \
       packages/arctic-zorro-train/tests/test_causal_conv.py packages/arctic-zorro-train/tests/test_swiglu.py \
-      packages/arctic-zorro-train/tests/test_fused_model.py ;;
+      packages/arctic-zorro-train/tests/test_fused_model.py packages/arctic-zorro-train/tests/test_fused_logprobs.py ;;
+    dense-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run dense_tests 240 python3 -m pytest -q -m gpu -k dense \
+      -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_gpu.py ;;
     pack-unpack) run pack_unpack 150 python3 benchmarks/pack_unpack.py --out "$out" ;;
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
   esac

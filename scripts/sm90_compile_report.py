@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import arctic_zorro_train.kernels._conv_kernels as conv_kernels
+import arctic_zorro_train.kernels._logprob_kernels as logprob_kernels
 import arctic_zorro_train.kernels._norm_kernels as norm_kernels
 import arctic_zorro_train.kernels._swiglu_kernels as swiglu_kernels
 
@@ -116,6 +117,15 @@ def main() -> None:
         swiglu = {"COMPUTE_DTYPE": f32, "BLOCK": 2048}
         report(f"swiglu forward {name}", swiglu_kernels._swiglu_forward_kernel, {"*": f"*{name}"}, swiglu)
         report(f"swiglu backward {name}", swiglu_kernels._swiglu_backward_kernel, {"*": f"*{name}"}, swiglu)
+        logprob_pointers = {"*": "*fp32", "logits_ptr": f"*{name}", "grad_logits_ptr": f"*{name}", "labels_ptr": "*i64"}
+        logprob = {"COMPUTE_DTYPE": f32, "BLOCK": 4096}
+        forward_flags = {**logprob, "WITH_ENTROPY": True}
+        backward_flags = {**logprob, "HAS_LOGPROB_GRAD": True, "HAS_ENTROPY_GRAD": True}
+        temperature = ("temperature",)
+        report(f"logprob forward {name} 4096", logprob_kernels._logprob_forward_kernel, logprob_pointers,
+               forward_flags, 8, temperature)  # fmt: skip
+        report(f"logprob backward {name} 4096", logprob_kernels._logprob_backward_kernel, logprob_pointers,
+               backward_flags, 8, temperature)  # fmt: skip
     if args.out:
         with open(args.out, "w") as handle:
             handle.write("\n".join(_LINES) + "\n")

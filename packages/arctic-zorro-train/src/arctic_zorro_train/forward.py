@@ -11,6 +11,7 @@ from torch import nn
 from arctic_dedup import Plan
 from arctic_zorro_train.context import CONTEXT_KWARG, build_context
 from arctic_zorro_train.errors import ZorroPatchError
+from arctic_zorro_train.fused import use_fused_kernels
 from arctic_zorro_train.logprobs import LogitsMode, token_logprobs
 from arctic_zorro_train.moe import collect_router_logits, router_statistics
 from arctic_zorro_train.patching import get_patch
@@ -88,6 +89,7 @@ def zorro_forward(
         calculate_entropy=calculate_entropy,
         chunk_size=settings.logits_chunk_size,
         fp32_logits=settings.fp32_logits,
+        fused=use_fused_kernels(settings.fused_kernels, hidden),
     )
     statistics = None
     if patch.routers:

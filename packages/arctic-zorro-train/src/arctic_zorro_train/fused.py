@@ -1,6 +1,8 @@
 """Where a patched model runs fused Triton kernels instead of transformers' torch code (``fused_kernels`` setting).
 
-The SwiGLU of the MLPs (``silu(gate) * up``: two elementwise kernels forward, three backward) is fused too.
+The SwiGLU of the MLPs (``silu(gate) * up``: two elementwise kernels forward, three backward) is fused too, and so
+is the ``"memory"`` logits mode's per-chunk log-softmax math (``arctic_zorro_train.kernels.logprobs``, all
+families; ``token_logprobs(fused=...)``).
 On the H200 the hybrid families' torch glue around the big matrix multiplies costs more than the Gated DeltaNet
 kernels themselves (``benchmarks/results/zorro_profile_hybrid.json``): every RMSNorm is ~6 fp32 elementwise passes
 forward and more backward, the gated RMSNorm of every Gated DeltaNet layer the same over ``[tokens * heads, 128]``,

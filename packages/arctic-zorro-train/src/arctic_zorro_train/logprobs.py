@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from arctic_zorro_train.kernels.reference import logprob_logits_gradient_reference, logprob_statistics_reference
+
 __all__ = ["LogitsMode", "TokenLogprobs", "token_logprobs"]
 
 LogitsMode = Literal["none", "compute", "memory"]
@@ -54,28 +56,21 @@ def _head_fn(lm_head: Any, fp32_logits: bool) -> Callable[[torch.Tensor], torch.
     return fp32_head
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    scaled = logits.to(_softmax_dtype(logits.dtype))
-    return scaled if temperature == 1.0 else scaled / temperature
-
-
-def _logprob_and_entropy(
-    scaled: torch.Tensor, labels: torch.Tensor, with_entropy: bool
+def _statistics(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    log_norm = torch.logsumexp(scaled, dim=-1)
-    logprobs = scaled.gather(-1, labels[:, None]).squeeze(-1) - log_norm
-    if not with_entropy:
-        return logprobs, None
-    probabilities = torch.softmax(scaled, dim=-1)
-    entropy = log_norm - (probabilities * scaled).sum(dim=-1)
+    """(logprobs, entropies or None) through torch's differentiable ops (modes "none" and "compute", ZeRO-3)."""
+    logprobs, _, entropy = logprob_statistics_reference(logits, labels, temperature, with_entropy)
     return logprobs, entropy
 
 
 class _ChunkedHeadLogprobs(torch.autograd.Function):
     """hidden ``[M, d]`` -> (logprobs ``[M]``, entropy ``[M]``), recomputing logits chunk by chunk in backward.
 
-    The LM head's parameters get their gradients from a nested backward through the head module (as reentrant
-    activation checkpointing does); they are passed in only so autograd knows this node depends on them.
+    The chunk math is ``arctic_zorro_train.kernels.logprobs`` (``fused``: one Triton pass over the logits each way)
+    or its torch twins; the backward uses the forward's log-normalizers and entropies. The LM head's parameters get
+    their gradients from a nested backward through the head module (as reentrant activation checkpointing does);
+    they are passed in only so autograd knows this node depends on them.
     """
 
     @staticmethod
@@ -87,23 +82,27 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         with_entropy: bool,
+        fused: bool,
         *head_parameters: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs = torch.empty(hidden.shape[0], dtype=_softmax_dtype(hidden.dtype), device=hidden.device)
+        statistics = _fused_statistics if fused else logprob_statistics_reference
+        dtype = _softmax_dtype(hidden.dtype)
+        logprobs = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+        log_normalizer = torch.empty_like(logprobs)
         entropy = torch.zeros_like(logprobs)
         with torch.no_grad():
             for start in range(0, hidden.shape[0], chunk_size):
                 stop = start + chunk_size
-                scaled = _scaled(head(hidden[start:stop]), temperature)
-                chunk_logprobs, chunk_entropy = _logprob_and_entropy(scaled, labels[start:stop], with_entropy)
-                logprobs[start:stop] = chunk_logprobs
-                if chunk_entropy is not None:
-                    entropy[start:stop] = chunk_entropy
-        ctx.save_for_backward(hidden, labels)
+                chunk = statistics(head(hidden[start:stop]), labels[start:stop], temperature, with_entropy)
+                logprobs[start:stop], log_normalizer[start:stop] = chunk[0], chunk[1]
+                if chunk[2] is not None:
+                    entropy[start:stop] = chunk[2]
+        ctx.save_for_backward(hidden, labels, log_normalizer, entropy)
         ctx.head = head
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.with_entropy = with_entropy
+        ctx.fused = fused
         ctx.num_head_parameters = len(head_parameters)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -111,33 +110,44 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
-        hidden, labels = ctx.saved_tensors
+        hidden, labels, log_normalizer, entropy = ctx.saved_tensors
+        gradient = _fused_gradient if ctx.fused else logprob_logits_gradient_reference
+        if not ctx.with_entropy:
+            grad_entropy = None
         grad_hidden = torch.zeros_like(hidden)
-        temperature = ctx.temperature
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             stop = start + ctx.chunk_size
             with torch.enable_grad():
                 chunk = hidden[start:stop].detach().requires_grad_(True)
                 logits = ctx.head(chunk)
                 with torch.no_grad():
-                    scaled = _scaled(logits, temperature)
-                    log_p = torch.log_softmax(scaled, dim=-1)
-                    p = log_p.exp()
-                    grad_scaled = torch.zeros_like(scaled)
-                    if grad_logprobs is not None:
-                        # d logprob / d z = onehot(label) - p
-                        g = grad_logprobs[start:stop, None]
-                        grad_scaled -= g * p
-                        grad_scaled.scatter_add_(-1, labels[start:stop, None], g)
-                    if grad_entropy is not None and ctx.with_entropy:
-                        # H = -sum p log p, d H / d z = -p (log p + H)
-                        entropy = -(p * log_p).sum(dim=-1, keepdim=True)
-                        grad_scaled -= grad_entropy[start:stop, None] * p * (log_p + entropy)
-                    grad_logits = (grad_scaled / temperature).to(logits.dtype)
+                    grad_logits = gradient(
+                        logits.detach(),
+                        labels[start:stop],
+                        log_normalizer[start:stop],
+                        entropy[start:stop] if grad_entropy is not None else None,
+                        None if grad_logprobs is None else grad_logprobs[start:stop],
+                        None if grad_entropy is None else grad_entropy[start:stop],
+                        ctx.temperature,
+                    )
                 torch.autograd.backward(logits, grad_logits)
             if chunk.grad is not None:
                 grad_hidden[start:stop] = chunk.grad
-        return (grad_hidden, None, None, None, None, None, *([None] * ctx.num_head_parameters))
+        return (grad_hidden, None, None, None, None, None, None, *([None] * ctx.num_head_parameters))
+
+
+def _fused_statistics(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    from arctic_zorro_train.kernels.logprobs import logprob_statistics  # imports triton: only where it runs
+
+    return logprob_statistics(logits, labels, temperature, with_entropy)
+
+
+def _fused_gradient(*args: Any) -> torch.Tensor:
+    from arctic_zorro_train.kernels.logprobs import logprob_logits_gradient
+
+    return logprob_logits_gradient(*args)
 
 
 def _checkpointed_chunks(
@@ -151,7 +161,7 @@ def _checkpointed_chunks(
     from torch.utils.checkpoint import checkpoint
 
     def chunk_outputs(states: torch.Tensor, chunk_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs, entropy = _logprob_and_entropy(_scaled(head(states), temperature), chunk_labels, with_entropy)
+        logprobs, entropy = _statistics(head(states), chunk_labels, temperature, with_entropy)
         return logprobs, logprobs if entropy is None else entropy
 
     pieces = [
@@ -178,11 +188,13 @@ def token_logprobs(
     calculate_entropy: bool = False,
     chunk_size: int = 1024,
     fp32_logits: bool = False,
+    fused: bool = False,
 ) -> TokenLogprobs:
     """Log-probabilities of ``labels [M]`` under ``lm_head(hidden [M, d]) / temperature`` (and entropies).
 
     ``fp32_logits`` runs the LM head itself in fp32 (otherwise only the softmax math is fp32). A float64 model stays
-    in float64 throughout.
+    in float64 throughout. ``fused``: mode ``"memory"`` runs its chunk math as Triton kernels
+    (``arctic_zorro_train.kernels.logprobs``; CUDA, or CPU under ``TRITON_INTERPRET=1``); the other modes ignore it.
     """
     if mode not in LOGITS_MODES:
         raise ValueError(f"logits mode must be one of {LOGITS_MODES}, got {mode!r}.")
@@ -201,18 +213,16 @@ def token_logprobs(
     if mode == "memory":
         parameters = [p for p in lm_head.parameters() if p.requires_grad]
         logprobs, entropy = _ChunkedHeadLogprobs.apply(
-            hidden, labels, head, temperature, chunk_size, calculate_entropy, *parameters
+            hidden, labels, head, temperature, chunk_size, calculate_entropy, fused, *parameters
         )
         return TokenLogprobs(logprobs=logprobs, entropy=entropy if calculate_entropy else None, logits=None)
     logits = head(hidden)
     if mode == "none":
-        logprobs, entropy = _logprob_and_entropy(_scaled(logits, temperature), labels, calculate_entropy)
+        logprobs, entropy = _statistics(logits, labels, temperature, calculate_entropy)
         return TokenLogprobs(logprobs=logprobs, entropy=entropy, logits=logits)
     pieces = [
-        _logprob_and_entropy(
-            _scaled(logits[start : start + chunk_size], temperature),
-            labels[start : start + chunk_size],
-            calculate_entropy,
+        _statistics(
+            logits[start : start + chunk_size], labels[start : start + chunk_size], temperature, calculate_entropy
         )
         for start in range(0, logits.shape[0], chunk_size)
     ]

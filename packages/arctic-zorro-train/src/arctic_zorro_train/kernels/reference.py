@@ -12,6 +12,8 @@ import torch.nn.functional as F
 __all__ = [
     "causal_depthwise_conv_reference",
     "gated_rms_norm_reference",
+    "logprob_logits_gradient_reference",
+    "logprob_statistics_reference",
     "swiglu_reference",
     "zero_centered_rms_norm_reference",
 ]
@@ -46,3 +48,48 @@ def causal_depthwise_conv_reference(x: torch.Tensor, weight: torch.Tensor, bias:
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, as transformers' MLPs compute it (``act_fn(gate_proj(x)) * up_proj(x)``)."""
     return F.silu(gate) * up
+
+
+def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return scaled if temperature == 1.0 else scaled / temperature
+
+
+def logprob_statistics_reference(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logprobs, log-normalizers, entropies or None) ``[n]`` of ``logits [n, V] / temperature`` at ``labels [n]``,
+    in fp32 (float64 for float64 logits): ``z[label] - logsumexp(z)`` and ``logsumexp(z) - sum(softmax(z) * z)``."""
+    scaled = _scaled_logits(logits, temperature)
+    log_normalizer = torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.gather(-1, labels[:, None]).squeeze(-1) - log_normalizer
+    if not with_entropy:
+        return logprobs, log_normalizer, None
+    entropy = log_normalizer - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+    return logprobs, log_normalizer, entropy
+
+
+def logprob_logits_gradient_reference(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    log_normalizer: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """d/d logits of ``sum(grad_logprobs * logprobs + grad_entropy * entropies)``, in ``logits``' dtype: with
+    ``z = logits / temperature`` and ``log p = z - log_normalizer``, ``(onehot(label) - p) * g`` and
+    ``-p (log p + H) * g_H``, divided by the temperature."""
+    scaled = _scaled_logits(logits, temperature)
+    log_p = scaled - log_normalizer[:, None]
+    p = log_p.exp()
+    grad = torch.zeros_like(scaled)
+    if grad_logprobs is not None:
+        grad -= grad_logprobs[:, None] * p
+        grad.scatter_add_(-1, labels[:, None], grad_logprobs[:, None].to(grad.dtype))
+    if grad_entropy is not None:
+        if entropy is None:
+            raise ValueError("grad_entropy needs the entropies (with_entropy=True).")
+        grad -= grad_entropy[:, None] * p * (log_p + entropy[:, None])
+    return (grad / temperature).to(logits.dtype)
