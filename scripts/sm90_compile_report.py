@@ -1,4 +1,5 @@
-"""Compile the fused kernels for the H200 (sm_90) here, without a GPU, and print ptxas' registers and spills.
+"""Compile the fused kernels for the H200 (sm_90) here, without a GPU, and print ptxas' registers, spills and the
+shared memory each kernel takes.
 
 Triton compiles ahead of time for a named target, and its wheel carries ptxas, so a CPU machine can check that a
 kernel compiles with the installed Triton and whether it spills, before spending device time:
@@ -6,8 +7,12 @@ kernel compiles with the installed Triton and whether it spills, before spending
     TRITON_INTERPRET=0 PYTHONPATH=packages/arctic-dedup/src:packages/arctic-zorro-train/src \
         python scripts/sm90_compile_report.py
 
-The constexprs are the launchers' for the hybrid benchmark's shapes (bf16 and fp32). The report of the last run is
-committed as benchmarks/results/sm90_compile_report.txt (``--out``).
+The constexprs are the launchers' for the hybrid benchmark's shapes (bf16 and fp32), and RL-8x16's for arctic-dedup's
+forest decode passes, specialized as Triton's launcher would (alignment and divisibility hints): with them the forest
+passes report what the H200 runs measured (fca_decode_diagnose.json: prefix pass 64x64 tiles 112 KB / ~254
+registers, suffix pass 37 KB / 112 and 70 KB / 162 with Triton 3.6). The reports of the last runs are committed as
+benchmarks/results/sm90_compile_report.txt (Triton 3.7.1) and sm90_compile_report_triton36.txt (``--out``; put
+Triton 3.6 first on PYTHONPATH, e.g. ``uv pip install --target /tmp/t36 --no-deps triton==3.6.0``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import arctic_dedup.forest._kernels as forest_kernels
 import arctic_zorro_train.kernels._conv_kernels as conv_kernels
 import arctic_zorro_train.kernels._logprob_kernels as logprob_kernels
 import arctic_zorro_train.kernels._norm_kernels as norm_kernels
@@ -33,16 +39,32 @@ import arctic_zorro_train.kernels._swiglu_kernels as swiglu_kernels
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def _signature(kernel: Any, pointer_types: dict[str, str], floats: tuple[str, ...]) -> dict[str, str]:
-    signature = {}
-    for parameter in kernel.params:
+def _specialized(
+    kernel: Any, pointer_types: dict[str, str], floats: tuple[str, ...], int_values: dict[str, int]
+) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], Any]]:
+    """(signature, extra constexprs, attributes) as Triton's launcher specializes a call: pointers 16-byte aligned
+    (torch's allocations are), integers equal to 1 become constants and multiples of 16 get a divisibility hint
+    (for the integers whose launch values are given). The hints decide vector widths and whether the pipeliner can
+    multi-buffer a load (async copies need 16-byte alignment), so leaving them out misreports shared memory."""
+    signature, constants, attrs = {}, {}, {}
+    divisible = [["tt.divisibility", 16]]
+    for index, parameter in enumerate(kernel.params):
+        name = parameter.name
         if parameter.is_constexpr:
-            signature[parameter.name] = "constexpr"
-        elif parameter.name.endswith("_ptr"):
-            signature[parameter.name] = pointer_types.get(parameter.name, pointer_types["*"])
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types.get(name, pointer_types["*"])
+            attrs[(index,)] = divisible
+        elif name in floats:
+            signature[name] = "fp32"
+        elif int_values.get(name) == 1:
+            signature[name] = "constexpr"
+            constants[name] = 1
         else:
-            signature[parameter.name] = "fp32" if parameter.name in floats else "i32"
-    return signature
+            signature[name] = "i32"
+            if name in int_values and int_values[name] % 16 == 0:
+                attrs[(index,)] = divisible
+    return signature, constants, attrs
 
 
 def report(
@@ -52,9 +74,13 @@ def report(
     constexprs: dict[str, Any],
     num_warps: int = 4,
     floats: tuple[str, ...] = (),
+    num_stages: int = 3,
+    int_values: dict[str, int] | None = None,
 ) -> None:
-    source = ASTSource(fn=kernel, signature=_signature(kernel, pointer_types, floats), constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    signature, constants, attrs = _specialized(kernel, pointer_types, floats, int_values or {})
+    source = ASTSource(fn=kernel, signature=signature, constexprs={**constexprs, **constants}, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
         handle.write(compiled.asm["ptx"])
     result = subprocess.run(
@@ -64,10 +90,38 @@ def report(
     text = result.stderr + result.stdout
     registers = ",".join(re.findall(r"Used (\d+) registers", text))
     spills = ",".join(f"{store}/{load}" for store, load in re.findall(r"(\d+) bytes spill stores, (\d+) bytes", text))
-    _emit(f"{label:45s} {registers:>5s} registers, spill stores/loads (bytes) {spills}")
+    shared = compiled.metadata.shared
+    _emit(f"{label:45s} {registers:>5s} registers, spill stores/loads (bytes) {spills}, shared {shared // 1024} KB")
 
 
 _LINES: list[str] = []
+
+
+def forest_report() -> None:
+    """arctic-dedup's forest decode attention on RL-8x16's shapes (bf16, 32 q / 8 kv heads, d=128, block 16, one
+    query token): the prefix pass (64 GQA rows of 16 members) and the suffix pass, at the tiles of the H200 runs.
+    The shared-memory size shows how many K/V tiles the pipeliner keeps in flight."""
+    pointers = {"*": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"}
+    pointers.update({name: "*fp32" for name in ("lse_ptr", "prefix_part_out_ptr", "prefix_part_lse_ptr")})
+    pointers.update({name: "*fp32" for name in ("suffix_part_out_ptr", "suffix_part_lse_ptr")})
+    shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16}
+    shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
+    kernel = forest_kernels.forest_attention_kernel
+    # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.
+    ints = {"stride_q_token": 4096, "stride_q_head": 128, "stride_q_dim": 1, "stride_table_row": 544}
+    for cache in ("k", "v"):
+        ints.update({f"stride_{cache}_block": 16384, f"stride_{cache}_token": 1024, f"stride_{cache}_head": 128})
+        ints[f"stride_{cache}_dim"] = 1
+    ints.update(stride_out_token=4096, stride_out_head=128, stride_out_dim=1, stride_lse_token=32, stride_lse_head=1)
+    ints.update(num_requests=128, head_dim=128, num_kv_heads=8)
+    for pass_, label, prefix_n, suffix_n in (
+        (1, "prefix pass", 64, 32),
+        (2, "suffix pass", 64, 32),
+        (2, "suffix pass", 64, 64),
+    ):
+        tiles = {**shapes, "PREFIX_BLOCK_N": prefix_n, "SUFFIX_BLOCK_N": suffix_n, "PASS": pass_}
+        block_n = prefix_n if pass_ == 1 else suffix_n
+        report(f"forest {label} bf16 block_n {block_n}", kernel, pointers, tiles, 4, ("scale_log2",), 3, ints)
 
 
 def _emit(line: str) -> None:
@@ -126,6 +180,7 @@ def main() -> None:
                forward_flags, 8, temperature)  # fmt: skip
         report(f"logprob backward {name} 4096", logprob_kernels._logprob_backward_kernel, logprob_pointers,
                backward_flags, 8, temperature)  # fmt: skip
+    forest_report()
     if args.out:
         with open(args.out, "w") as handle:
             handle.write("\n".join(_LINES) + "\n")
