@@ -22,8 +22,8 @@ class ZorroSettings:
     informational: groups are found from the token ids, whatever their size); deduplicate: False runs the same
     packed path without sharing (the baseline); fused_kernels: ``"auto"`` runs the hybrid families' RMSNorms, gated
     RMSNorms, Gated DeltaNet conv and MLP SwiGLU, and every family's ``"memory"``-mode log-prob chunk math, as fused
-    Triton kernels on CUDA (same formulas, see ``arctic_zorro_train.fused``), ``"always"`` also on CPU under ``TRITON_INTERPRET=1``, ``"never"`` keeps
-    transformers' torch code."""
+    Triton kernels on CUDA (same formulas, see ``arctic_zorro_train.fused``), ``"always"`` also on CPU under
+    ``TRITON_INTERPRET=1``, ``"never"`` keeps transformers' torch code."""
 
     use_split_attention: bool = True
     attention_backend: TreeAttentionBackend = "auto"

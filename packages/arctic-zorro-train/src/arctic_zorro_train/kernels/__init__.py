@@ -4,5 +4,6 @@ Each kernel equals the transformers code it replaces (forward and backward); the
 only, the torch code stays the path on CPU. Tests run the kernels through Triton's interpreter on CPU.
 """
 
-# Submodules, imported where used (``norms``, ``causal_conv``, ``swiglu`` and ``logprobs`` import triton; ``reference`` is plain torch).
+# Submodules, imported where used (``norms``, ``causal_conv``, ``swiglu`` and ``logprobs`` import triton;
+# ``reference`` is plain torch).
 __all__ = ["causal_conv", "logprobs", "norms", "reference", "swiglu"]
