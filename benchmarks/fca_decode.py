@@ -755,6 +755,17 @@ def _occupancy(compiled: list[Any]) -> str:
     return "+".join(parts)
 
 
+def pass_bytes(plan: ForestPlan, shape: Shape) -> tuple[int, int]:
+    """(bytes the prefix pass reads: each group's shared prefix once, bytes the suffix pass reads)."""
+    prefix = plan.prefix_blocks.cpu().to(torch.int64)
+    leaders = plan.group_leader.cpu()
+    own = (leaders == torch.arange(leaders.shape[0])) & (prefix > 0)
+    block = plan.block_size
+    prefix_tokens = int(prefix[own].sum()) * block
+    suffix_tokens = int((plan.seq_lens.cpu().to(torch.int64) - prefix * block).clamp_min(0).sum())
+    return prefix_tokens * shape.bytes_per_token, suffix_tokens * shape.bytes_per_token
+
+
 @dataclass
 class _Setup:
     batch: DecodeBatch
@@ -783,8 +794,8 @@ class Diagnosis:
         self.paged_out, self.paged_lse = forest_decode(
             batch.query, batch.key_cache, batch.value_cache, paged, self.scale
         )
-        self.prefix_bytes, self.suffix_bytes = self._pass_bytes(
-            _forest_plan(batch, case.shape, ForestKernelConfig(), case.workspaces[0])
+        self.prefix_bytes, self.suffix_bytes = pass_bytes(
+            _forest_plan(batch, case.shape, ForestKernelConfig(), case.workspaces[0]), case.shape
         )
 
     def _sampled_reference(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -805,15 +816,6 @@ class Diagnosis:
             self.scale,
         )
         return rows, ref_out, ref_lse
-
-    def _pass_bytes(self, plan: ForestPlan) -> tuple[int, int]:
-        prefix = plan.prefix_blocks.cpu().to(torch.int64)
-        leaders = plan.group_leader.cpu()
-        own = (leaders == torch.arange(leaders.shape[0])) & (prefix > 0)
-        block = plan.block_size
-        prefix_tokens = int(prefix[own].sum()) * block
-        suffix_tokens = int((plan.seq_lens.cpu().to(torch.int64) - prefix * block).clamp_min(0).sum())
-        return prefix_tokens * self.case.shape.bytes_per_token, suffix_tokens * self.case.shape.bytes_per_token
 
     def setups(self, variant: Variant) -> list[_Setup]:
         result = []

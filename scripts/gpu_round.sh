@@ -35,6 +35,8 @@
 #   fca-decode     the forest decode benchmark                           (~3 min)
 #   fca-diagnose   forest decode diagnosis                               (~3 min)
 #   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
+#   fca-ncu        RL-8x16's prefix pass, suffix pass and per-request kernel alone: timed, then under Nsight Compute
+#                  (throughput, memory, warp stalls, occupancy; fca_ncu.log)  (~2 min)
 #   fused-kernels  the hybrid's fused norms and conv against transformers' torch code  (~1 min)
 #   kernel-tests   the GPU tests of the fused kernels (norms, conv, SwiGLU, log-prob chunk, fused hybrids)  (~1 min)
 #   dense-tests    the dense bf16 gradient tests of arctic-zorro-train (every tree-attention backend)  (~1 min)
@@ -110,6 +112,11 @@ for stage in "$@"; do
     fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" ;;
     forest-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run forest_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-dedup/tests/forest/test_forest_gpu.py ;;
+    fca-ncu) run fca_passes 120 python3 benchmarks/fca_ncu.py --rounds 5
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+      run fca_ncu 240 "$ncu_bin" --clock-control none -k regex:forest_attention_kernel --launch-skip 3 \
+        --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section SchedulerStats --section LaunchStats python3 benchmarks/fca_ncu.py --rounds 1 ;;
     fused-kernels) run fused_kernels 150 python3 benchmarks/fused_kernels.py --out "$out" ;;
     kernel-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run kernel_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_fused_norms.py \

@@ -1,0 +1,113 @@
+"""The forest decode passes of RL-8x16 alone, for Nsight Compute: is the prefix pass latency- or pattern-bound?
+
+Runs, after one warm-up round, ``--rounds`` rounds of: the prefix pass (``passes=(1,)``), the suffix pass
+(``passes=(2,)``) and the per-request kernel over the same batch (8 groups x 16 requests, P=8192, S=512, 32 q / 8
+kv heads, d=128, bf16, block 16), each synchronized, so a profiler sees them in that order. On the H200
+(scripts/gpu_round.sh stage ``fca-ncu``):
+
+    ncu --clock-control none -k regex:forest_attention_kernel --launch-skip 3 --launch-count 3 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
+        python benchmarks/fca_ncu.py
+
+Without a profiler it prints each pass's time (CUDA events, median of the rounds) and bytes over time.
+``--smoke``: tiny shapes through Triton's interpreter on CPU (checks the code path only).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:
+    # The interpreter must be chosen before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fca_decode import H200, SMOKE, _forest_plan, _paged_plan, pass_bytes
+
+from arctic_dedup.forest import ForestKernelConfig, ForestWorkspace, forest_decode
+from arctic_dedup.forest._launch import allocate_partials, launch_attention
+from arctic_dedup.forest.testing import make_decode_batch
+
+
+def _timed(run: Callable[[], object], device: str) -> float:
+    """Microseconds of one synchronized call (CUDA events on the GPU; 0 on CPU, where nothing is timed)."""
+    if device != "cuda":
+        run()
+        return 0.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("fca_ncu.py needs a CUDA GPU (or --smoke)")
+    shape = SMOKE if args.smoke else H200
+    prompt, groups, samples, response = (64, 2, 3, 16) if args.smoke else (8192, 8, 16, 512)
+    batch = make_decode_batch(
+        [prompt] * groups,
+        [[response] * samples] * groups,
+        block_size=shape.block,
+        num_kv_heads=shape.heads_kv,
+        queries_per_kv=shape.queries_per_kv,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+        device=shape.device,
+        shuffle=False,
+        seed=0,
+        spare_blocks=0,
+    )
+    scale = shape.head_dim**-0.5
+    workspace = ForestWorkspace(batch.key_cache.shape[0], shape.device)
+    forest = _forest_plan(batch, shape, ForestKernelConfig(), workspace)
+    paged = _paged_plan(batch, ForestKernelConfig())
+    partials = allocate_partials(forest, batch.query.shape[2], batch.query.device)
+    out = torch.empty_like(batch.query)
+    lse = torch.empty(batch.query.shape[:2], device=batch.query.device)
+    prefix_bytes, suffix_bytes = pass_bytes(forest, shape)
+    total_bytes = int(batch.seq_lens.sum()) * shape.bytes_per_token
+
+    def attention(passes: tuple[int, ...]) -> Callable[[], object]:
+        return lambda: launch_attention(
+            batch.query, batch.key_cache, batch.value_cache, forest, scale, out, lse, partials, passes=passes
+        )
+
+    def per_request() -> object:
+        return forest_decode(batch.query, batch.key_cache, batch.value_cache, paged, scale, out=out, lse=lse)
+
+    runs = {"prefix pass": attention((1,)), "suffix pass": attention((2,)), "per-request kernel": per_request}
+    for run in runs.values():  # warm-up: compiles every kernel before the profiled launches
+        _timed(run, shape.device)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            times[name].append(_timed(run, shape.device))
+    for name, num_bytes in (
+        ("prefix pass", prefix_bytes),
+        ("suffix pass", suffix_bytes),
+        ("per-request kernel", total_bytes),
+    ):
+        us = statistics.median(times[name])
+        rate = f", {num_bytes / us / 1e6:.2f} TB/s on {num_bytes / 1e6:.0f} MB" if us > 0 else ""
+        print(f"{name}: {us:.1f} us{rate}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
