@@ -76,7 +76,9 @@ def main() -> None:
     )
     scale = shape.head_dim**-0.5
     workspace = ForestWorkspace(batch.key_cache.shape[0], shape.device)
-    forest = _forest_plan(batch, shape, ForestKernelConfig(), workspace)
+    # plan_forest's own rule picks the tiles (config None), as forest_decode's users get them
+    forest = _forest_plan(batch, shape, None, workspace)
+    print(f"forest plan config: {forest.config}", flush=True)
     paged = _paged_plan(batch, ForestKernelConfig())
     partials = allocate_partials(forest, batch.query.shape[2], batch.query.device)
     out = torch.empty_like(batch.query)

@@ -116,7 +116,9 @@ for stage in "$@"; do
       ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
       run fca_ncu 240 "$ncu_bin" --clock-control none -k regex:forest_attention_kernel --launch-skip 3 \
         --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy --section SchedulerStats --section LaunchStats python3 benchmarks/fca_ncu.py --rounds 1 ;;
+        --section Occupancy --section SchedulerStats --section LaunchStats \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 benchmarks/fca_ncu.py --rounds 1 ;;
     fused-kernels) run fused_kernels 150 python3 benchmarks/fused_kernels.py --out "$out" ;;
     kernel-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run kernel_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_fused_norms.py \
