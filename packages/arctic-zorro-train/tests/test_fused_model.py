@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from zorro_cases import Sample, compare_with_reference, float64_model, make_batch
+from zorro_cases import Sample, compare_with_reference, float64_model, fresh_model, make_batch
 
 import arctic_zorro_train.fused as fused
 from arctic_dedup._triton_support import interpreting
@@ -65,6 +65,27 @@ def test_fused_hybrid_matches_the_per_sample_reference(family: str, kernel_calls
     assert kernel_calls["gated_rms_norm"] > 0
     assert kernel_calls["causal_depthwise_conv"] > 0
     assert kernel_calls["swiglu"] > 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_memory_logits_with_the_fused_logprob_kernels(temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense fp32 model, "memory" logits with the fused log-prob chunk kernels (small chunks, so a sample's
+    responses span several): logprobs, entropy, loss and gradients within 1e-5 of plain transformers per sample."""
+    import arctic_zorro_train.kernels.logprobs as logprob_kernels
+
+    calls: Counter[str] = Counter()
+    for name in ("logprob_statistics", "logprob_logits_gradient"):
+        kernel = getattr(logprob_kernels, name)
+
+        def wrapper(*args: Any, _kernel: Callable[..., Any] = kernel, _name: str = name, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(logprob_kernels, name, wrapper)
+    model = fresh_model("qwen3")
+    options = {"fused_kernels": "always", "logits_optimization": "memory", "logits_chunk_size": 3}
+    compare_with_reference(model, make_batch(SAMPLES, extra_prompt_padding=2), temperature=temperature, **options)
+    assert calls["logprob_statistics"] > 0 and calls["logprob_logits_gradient"] > 0
 
 
 def test_never_keeps_the_transformers_code(kernel_calls: Counter[str]) -> None:
