@@ -589,6 +589,26 @@ def _variants() -> list[Variant]:
     deep = replace(base, num_stages=5, split_passes=True)
     fused = replace(p64_s64, split_passes=False, fuse_combine=True)
     return [
+        # Round 3 (offline: sm90_compile_report; the combine is latency-bound, 17.7 us whatever its partial bytes):
+        # fewer registers per combine program, so its 1024 RL-8x16 programs take ~1 wave instead of 2.6.
+        Variant(
+            "v3_combine_w2_c8",
+            "v3_default with 2-warp combine programs loading 8 partials at a time (145 registers: 7/SM, ~1.1 waves)",
+            None,
+            DecodeKnobs(combine_chunk_cap=8, combine_num_warps=2),
+        ),
+        Variant(
+            "v3_combine_w2_c4",
+            "v3_default with 2-warp combine programs loading 4 partials at a time (96 registers: 10/SM, 1 wave)",
+            None,
+            DecodeKnobs(combine_chunk_cap=4, combine_num_warps=2),
+        ),
+        Variant(
+            "v3_combine_w1_d32",
+            "v3_default with 1-warp combine programs over 32-dim slices, 16 partials at a time (120 registers)",
+            None,
+            DecodeKnobs(combine_dim_block=32, combine_chunk_cap=16, combine_num_warps=1),
+        ),
         Variant(
             "fused_p64_s64",
             "prefix pass (64x64, 2/SM), then the suffix pass (64-token tiles) merging the prefix partials of one-item "

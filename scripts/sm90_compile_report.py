@@ -122,6 +122,17 @@ def forest_report() -> None:
         tiles = {**shapes, "PREFIX_BLOCK_N": prefix_n, "SUFFIX_BLOCK_N": suffix_n, "PASS": pass_}
         block_n = prefix_n if pass_ == 1 else suffix_n
         report(f"forest {label} bf16 block_n {block_n}", kernel, pointers, tiles, 4, ("scale_log2",), 3, ints)
+    combine_pointers = {"*": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32"}
+    combine_pointers["part_lse_ptr"] = "*fp32"
+    combine_ints = {name: ints[name] for name in ("stride_out_token", "stride_out_head", "stride_out_dim")}
+    combine_ints.update(stride_lse_token=32, stride_lse_head=1, num_requests=128, head_dim=128, num_kv_heads=8)
+    combine_ints.update(dim_chunks=1, suffix_part_offset=16 * 129 * 8 * 64)
+    flags = {"HAS_PREFIX": True, "FUSE": False, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "DIM_BLOCK": 128}
+    combine = forest_kernels.forest_combine_kernel
+    # The default (4 warps, 16 partials at a time) and the DecodeKnobs variants fca_decode.py --diagnose times.
+    for warps, chunk in ((4, 16), (4, 8), (2, 8), (2, 4)):
+        label = f"forest combine {warps} warps chunk {chunk}"
+        report(label, combine, combine_pointers, {**flags, "CHUNK": chunk}, warps, (), 3, combine_ints)
 
 
 def _emit(line: str) -> None:

@@ -30,6 +30,8 @@ KNOBS = {
     ),
     "combine_slices": DecodeKnobs(combine_dim_block=16, combine_chunk_cap=64),
     "split_combine_slices_small_chunks": DecodeKnobs(split_passes=True, combine_dim_block=32, combine_chunk_cap=2),
+    "narrow_combine_programs": DecodeKnobs(combine_chunk_cap=4, combine_num_warps=2),
+    "one_warp_combine_slices": DecodeKnobs(combine_dim_block=32, combine_num_warps=1),
 }
 # Every pair of (block size, GQA ratio, head dim) values meets once.
 LATIN = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]
@@ -151,6 +153,7 @@ def test_prefix_pass_needs_groups() -> None:
         ("combine_dim_block", 24, "combine_dim_block"),
         ("combine_dim_block", 8, "combine_dim_block"),
         ("combine_chunk_cap", 3, "chunk_cap"),
+        ("combine_num_warps", 3, "combine_num_warps"),
     ],
 )
 def test_knobs_are_validated(field: str, value: int, message: str) -> None:

@@ -43,6 +43,8 @@ class DecodeKnobs:
             suffix launch (two branches of a CUDA graph when captured); both join before the combine.
         combine_dim_block: head dims per combine program (``None``: the whole head); a power of two >= 16.
         combine_chunk_cap: most partials a combine program loads at once.
+        combine_num_warps: warps per combine program (1, 2, 4 or 8): fewer warps per program fit more programs on an
+            SM, so a latency-bound combine takes fewer waves (sm90_compile_report.py gives the registers).
     """
 
     split_passes: bool = False
@@ -51,6 +53,7 @@ class DecodeKnobs:
     side_stream: bool = False
     combine_dim_block: int | None = None
     combine_chunk_cap: int = 16
+    combine_num_warps: int = 4
 
     def __post_init__(self) -> None:
         block = self.combine_dim_block
@@ -58,6 +61,8 @@ class DecodeKnobs:
             raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {block}")
         if self.combine_chunk_cap < 1 or self.combine_chunk_cap & (self.combine_chunk_cap - 1):
             raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
+        if self.combine_num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
 
 
 DEFAULT_KNOBS = DecodeKnobs()
@@ -450,7 +455,7 @@ def launch_combine(
         ROWS=rows,
         CHUNK=chunk,
         DIM_BLOCK=dim_block,
-        num_warps=4,
+        num_warps=knobs.combine_num_warps,
     )
 
 
