@@ -80,16 +80,19 @@ def zorro_forward(
         )
     hidden = outputs[0].squeeze(0)  # a view both ways (outputs[0][0]'s backward zero-fills [1, T, d] and copies)
     responses = plan.responses
+    mode = settings.logits_mode if logits_mode is None else logits_mode
+    # Only the "memory" mode has fused log-prob kernels: the other modes never ask (so "always" cannot refuse them).
+    fused = mode == "memory" and use_fused_kernels(settings.fused_kernels, hidden)
     tokens = token_logprobs(
         hidden.index_select(0, responses.predictor_index),
         responses.labels,
         patch.lm_head,
         temperature=settings.temperature if temperature is None else temperature,
-        mode=settings.logits_mode if logits_mode is None else logits_mode,
+        mode=mode,
         calculate_entropy=calculate_entropy,
         chunk_size=settings.logits_chunk_size,
         fp32_logits=settings.fp32_logits,
-        fused=use_fused_kernels(settings.fused_kernels, hidden),
+        fused=fused,
     )
     statistics = None
     if patch.routers:
