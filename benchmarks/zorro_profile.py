@@ -125,7 +125,7 @@ def main() -> None:
         "--fused-kernels",
         default="auto",
         choices=["auto", "never"],
-        help="hybrid: fused norms and conv (ZorroSettings.fused_kernels); 'never' profiles transformers' torch code",
+        help="fused norms, conv, SwiGLU, log-prob chunk (ZorroSettings.fused_kernels); 'never': the torch code",
     )
     parser.add_argument(
         "--recompute",
@@ -159,9 +159,10 @@ def main() -> None:
     dedup["mfu"] = dedup["tflops"] / PEAK_TFLOPS
     few = args.baseline_samples
     samples = select_samples(batch, list(range(few)))
-    baseline_run = (
-        baseline_step(model, samples, "sdpa", 1, args.fused_kernels) if hybrid else hf_sdpa_step(model, samples)
-    )
+    if hybrid:
+        baseline_run = baseline_step(model, samples, "sdpa", 1, args.fused_kernels)
+    else:
+        baseline_run = hf_sdpa_step(model, samples, args.fused_kernels)
     baseline = profile_step(baseline_run, model, args.top)
     baseline["scaled_to_samples"] = 16
     baseline["tflops"] = cost.flops_base * few / 16 / baseline["wall_ms"] / 1e9

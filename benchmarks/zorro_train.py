@@ -116,7 +116,8 @@ class Options:
     # DeltaNet recurrence is parallel over sequences and heads only, so one long sample per micro-batch starves it;
     # without recompute 4 samples did not fit, 2 may with the fused norms' smaller activations).
     baseline_samples: tuple[int, ...] | None = None
-    # The hybrid families' fused norms and conv (ZorroSettings.fused_kernels), in the dedup and baseline runs alike.
+    # The fused kernels (ZorroSettings.fused_kernels: the hybrids' norms, conv and SwiGLU, every family's log-prob
+    # chunk), in the dedup and baseline runs alike.
     fused_kernels: str = "auto"
 
     @property
@@ -264,7 +265,7 @@ def baseline_step(
     return step
 
 
-def hf_sdpa_step(model: Any, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
+def hf_sdpa_step(model: Any, batch: dict[str, torch.Tensor], fused_kernels: str = "auto") -> Callable[[], None]:
     """Plain transformers + SDPA on each sample's valid tokens, logits only at the response predictors."""
     width = batch["responses"].shape[1]
     total = float(batch["response_mask"].sum())
@@ -280,14 +281,14 @@ def hf_sdpa_step(model: Any, batch: dict[str, torch.Tensor]) -> Callable[[], Non
         for row, ids, positions, prompt, length in samples:
             # squeeze, like zorro_forward: a view both ways (indexing [0] would zero-fill and copy in the backward)
             hidden = backbone(input_ids=ids[None], position_ids=positions[None], use_cache=False)[0].squeeze(0)
-            # the same log-prob chunk math as the patched runs (fused kernels on CUDA, as their "auto" setting)
+            # the same log-prob chunk math as the patched runs (their fused_kernels setting)
             out = token_logprobs(
                 hidden[prompt - 1 : length - 1],
                 ids[prompt:length],
                 model.lm_head,
                 mode="memory",
                 chunk_size=2048,
-                fused=use_fused_kernels("auto", hidden),
+                fused=use_fused_kernels(fused_kernels, hidden),
             )
             micro = select_samples(batch, [row])
             _loss(out.logprobs, micro, float(micro["response_mask"].sum()) / total).backward()
@@ -370,7 +371,7 @@ def compare(
             step = baseline_step(model, batch, options.baseline_backend, samples, options.fused_kernels)
             variants.append(("baseline", options.baseline_backend, step, cost.flops_base, samples))
     if with_hf_baseline and "hf_sdpa" in options.baselines:
-        variants.append(("baseline", "hf_sdpa", hf_sdpa_step(model, batch), cost.flops_base, 1))
+        variants.append(("baseline", "hf_sdpa", hf_sdpa_step(model, batch, options.fused_kernels), cost.flops_base, 1))
     for backend in options.dedup_backends:
         step = dedup_step(model, batch, backend, fused_kernels=options.fused_kernels)
         variants.append(("dedup", backend, step, cost.flops_dedup, None))
@@ -920,7 +921,7 @@ def main() -> int:
         "--fused-kernels",
         default="auto",
         choices=["auto", "never"],
-        help="hybrid families' fused norms and conv (ZorroSettings.fused_kernels) in dedup and baseline alike",
+        help="fused norms, conv, SwiGLU, log-prob chunk (ZorroSettings.fused_kernels) in dedup and baseline alike",
     )
     parser.add_argument(
         "--baselines",
