@@ -565,13 +565,16 @@ class Variant:
     about: str
     config: ForestKernelConfig | None
     knobs: DecodeKnobs = field(default_factory=DecodeKnobs)
+    rule_changes: tuple[tuple[str, Any], ...] = ()
 
     def config_for(self, batch: DecodeBatch) -> ForestKernelConfig:
         if self.config is not None:
             return self.config
         device = batch.block_table.device
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        return default_forest_config(batch.seq_lens.shape[0], batch.key_cache.shape[2], sms)
+        return replace(
+            default_forest_config(batch.seq_lens.shape[0], batch.key_cache.shape[2], sms), **dict(self.rule_changes)
+        )
 
     @property
     def split(self) -> bool:
@@ -588,7 +591,26 @@ def _variants() -> list[Variant]:
     p64_s64 = replace(base, prefix_block_n=64, suffix_block_n=64, split_passes=True)
     deep = replace(base, num_stages=5, split_passes=True)
     fused = replace(p64_s64, split_passes=False, fuse_combine=True)
+    pdl = (("dependent_launches", True),)
     return [
+        # Round 4: programmatic dependent launch (each launch scheduled while the one before it finishes).
+        Variant(
+            "v4_pdl_chain",
+            "v3_default with dependent launches; split passes chained on one stream (the suffix pass starts beside "
+            "the prefix pass's last wave and waits for it at its end) instead of the side stream",
+            None,
+            DecodeKnobs(chain_passes=True),
+            pdl,
+        ),
+        Variant(
+            "v4_pdl", "v3_default with dependent launches (split passes keep the side stream)", None, rule_changes=pdl
+        ),
+        Variant(
+            "v3_default",
+            "plan_forest's default rule (w1_p64 for <= 1 (request, kv head) per SM, else stream_p64; since 2026-12-01 "
+            "with the 1-warp 32-dim combine)",
+            None,
+        ),
         # Round 3 (offline: sm90_compile_report; the combine is latency-bound, 17.7 us whatever its partial bytes):
         # fewer registers per combine program, so its 1024 RL-8x16 programs take ~1 wave instead of 2.6.
         Variant(
@@ -620,11 +642,6 @@ def _variants() -> list[Variant]:
             "fused_p64_s64 with prefix_waves 2 and waves 1 (single group: 264 prefix programs, one suffix item per "
             "(request, kv head))",
             replace(fused, waves=1.0),
-        ),
-        Variant(
-            "v3_default",
-            "plan_forest's default rule (w1_p64 for <= 1 (request, kv head) per SM, else stream_p64)",
-            None,
         ),
         Variant(
             "split_p64_s64",
@@ -701,6 +718,11 @@ def _compile_signature(case_name: str, variant: Variant) -> tuple[Any, ...]:
         knobs.prefix_num_stages,
         knobs.combine_dim_block,
         knobs.combine_chunk_cap,
+        knobs.combine_num_warps,
+        knobs.chain_passes,
+        config.combine_dim_block,
+        config.combine_num_warps,
+        config.dependent_launches,
     )
 
 
@@ -990,6 +1012,9 @@ def _diagnose_pieces(diagnosis: Diagnosis, copy_tbps: float) -> list[dict[str, A
     pieces.append({"case": case.name, "variant": "plan (3 launches)", "us": plan_us})
     paged_us = diagnosis.time([partial(_paged_plan, s.batch, base) for s in setups])
     pieces.append({"case": case.name, "variant": "plan without groups (1 launch)", "us": paged_us})
+    dependent = replace(base, dependent_launches=True)
+    pdl_plan_us = diagnosis.time([partial(_forest_plan, s.batch, shape, dependent, s.workspace) for s in setups])
+    pieces.append({"case": case.name, "variant": "plan (3 dependent launches)", "us": pdl_plan_us})
     knobs = DecodeKnobs()
     for passes, label, num_bytes in (
         ((1,), "v2 prefix items only", diagnosis.prefix_bytes),
@@ -1072,7 +1097,7 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
     for diagnosis in diagnoses:
         name = diagnosis.case.name
         timed = sorted((r for r in results[name] if "kernels_us" in r), key=lambda r: r["kernels_us"])
-        always = ("v2", "v3_default")
+        always = ("v2", "v3_default", "v4_pdl", "v4_pdl_chain")
         for result in [r for r in timed if r["variant"] in always] + [
             r for r in timed[:2] if r["variant"] not in always
         ]:

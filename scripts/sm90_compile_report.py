@@ -104,7 +104,7 @@ def forest_report() -> None:
     pointers = {"*": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"}
     pointers.update({name: "*fp32" for name in ("lse_ptr", "prefix_part_out_ptr", "prefix_part_lse_ptr")})
     pointers.update({name: "*fp32" for name in ("suffix_part_out_ptr", "suffix_part_lse_ptr")})
-    shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16}
+    shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0}
     shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
     kernel = forest_kernels.forest_attention_kernel
     # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.
@@ -127,12 +127,15 @@ def forest_report() -> None:
     combine_ints = {name: ints[name] for name in ("stride_out_token", "stride_out_head", "stride_out_dim")}
     combine_ints.update(stride_lse_token=32, stride_lse_head=1, num_requests=128, head_dim=128, num_kv_heads=8)
     combine_ints.update(dim_chunks=1, suffix_part_offset=16 * 129 * 8 * 64)
-    flags = {"HAS_PREFIX": True, "FUSE": False, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "DIM_BLOCK": 128}
+    flags = {"HAS_PREFIX": True, "FUSE": False, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "PDL": 0}
     combine = forest_kernels.forest_combine_kernel
-    # The default (4 warps, 16 partials at a time) and the DecodeKnobs variants fca_decode.py --diagnose times.
-    for warps, chunk in ((4, 16), (4, 8), (2, 8), (2, 4)):
-        label = f"forest combine {warps} warps chunk {chunk}"
-        report(label, combine, combine_pointers, {**flags, "CHUNK": chunk}, warps, (), 3, combine_ints)
+    # ForestKernelConfig()'s combine (4 warps, whole heads, 16 partials at a time), the variants fca_decode.py
+    # --diagnose timed, and the default rule's (1 warp, 32-dim slices: 4 programs per (request, kv head)).
+    for warps, chunk, dims in ((4, 16, 128), (4, 8, 128), (2, 8, 128), (2, 4, 128), (1, 16, 32)):
+        label = f"forest combine {warps} warps chunk {chunk}" + ("" if dims == 128 else f" dims {dims}")
+        sliced = combine_ints if dims == 128 else {**combine_ints, "dim_chunks": 128 // dims}
+        tiles = {**flags, "CHUNK": chunk, "DIM_BLOCK": dims}
+        report(label, combine, combine_pointers, tiles, warps, (), 3, sliced)
 
 
 def _emit(line: str) -> None:

@@ -43,6 +43,8 @@ def _compile(kernel: object, constants: dict[str, object], num_warps: int, num_s
                 signature[name] = "fp32" if name == "scale_log2" else "i32"
             if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
                 attrs[(index,)] = [["tt.divisibility", 16]]
+    if "PDL" in kernel.arg_names and "PDL" not in constants:  # type: ignore[attr-defined]
+        signature["PDL"], constexprs["PDL"] = "constexpr", 0
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     try:
         return triton.compile(
@@ -92,6 +94,33 @@ def _compile_all() -> None:
         4,
         1,
     )
+    # Programmatic dependent launch: every kernel lets the next launch start, then waits for the one before it,
+    # before touching memory; without PDL nothing of it is emitted.
+    dependent = [
+        compile_attention(True, PDL=1),
+        _compile(_kernels.plan_count_kernel, {"BLOCK_E": 1024, "PDL": 1}, 4, 1),
+        _compile(_kernels.plan_group_kernel, {"MEMBERS": 16, "BLOCK_R": 128, "BLOCK_E": 1024, "PDL": 1}, 4, 1),
+        _compile(
+            _kernels.forest_combine_kernel,
+            {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 16, "DIM_BLOCK": 32}
+            | {"PDL": 1},
+            1,
+            1,
+        ),
+    ]
+    for compiled in dependent:
+        ptx = compiled.asm["ptx"]  # type: ignore[attr-defined]
+        trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+        assert 0 <= trigger < wait, (compiled.name, trigger, wait)
+        assert wait < min(ptx.find(op) for op in ("ld.global", "atom.global") if op in ptx)
+    assert "griddepcontrol" not in forest.asm["ptx"]  # type: ignore[attr-defined]
+    # Chained passes: the prefix pass waits before it lets the suffix pass start; the suffix pass waits last.
+    prefix_ptx = compile_attention(True, PDL=2, PASS=1, PREFIX_BLOCK_N=64).asm["ptx"]  # type: ignore[attr-defined]
+    assert 0 <= prefix_ptx.find("griddepcontrol.wait") < prefix_ptx.find("griddepcontrol.launch_dependents")
+    suffix_ptx = compile_attention(True, PDL=3, PASS=2).asm["ptx"]  # type: ignore[attr-defined]
+    wait = suffix_ptx.find("griddepcontrol.wait")
+    assert 0 <= suffix_ptx.find("griddepcontrol.launch_dependents") < suffix_ptx.find("ld.global") < wait
+    assert suffix_ptx.rfind("st.global") < wait
     # Prefix tiles run on Hopper's warpgroup tensor cores; every pass loads 16 bytes at a time.
     assert "wgmma" in forest.asm["ptx"]  # type: ignore[attr-defined]
     for compiled in (forest, paged):

@@ -274,3 +274,69 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
         twin = _torch_twin(table, seq_lens, batch.query_start_loc, num_blocks)
         assert (captured.group_leader.tolist(), captured.prefix_blocks.tolist()) == twin
         assert not workspace.counts.any() and not workspace.leader_slots.any() and not workspace.ticket.any()
+
+
+@pytest.mark.parametrize("variant", ["one_launch", "side_stream", "chained_passes"])
+def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant: str) -> None:
+    # Programmatic dependent launch (sm_90+; elsewhere the config field is ignored and this is a plain run): plan and
+    # three layers' decodes back to back on one stream, the plan and every layer reading the one before it.
+    from dataclasses import replace
+
+    from arctic_dedup.forest._launch import DecodeKnobs, launch_forest_decode
+
+    rng = random.Random(21)
+    prefix_lens = [rng.randint(300, 900) for _ in range(4)]
+    suffix_lens = [[rng.randint(0, 200) for _ in range(rng.randint(2, 12))] for _ in prefix_lens]
+    first = make_decode_batch(
+        prefix_lens, suffix_lens, queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=21
+    )
+    # Every layer shares the step's block table; its query and caches hold values of its own.
+    layers = [first] + [
+        replace(
+            first,
+            query=torch.randn_like(first.query),
+            key_cache=torch.randn_like(first.key_cache),
+            value_cache=torch.randn_like(first.value_cache),
+        )
+        for _ in range(2)
+    ]
+    config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
+    config = replace(config, split_passes=variant != "one_launch")
+    knobs = DecodeKnobs(chain_passes=variant == "chained_passes")
+    batch = first
+    outs = [torch.empty_like(layer.query) for layer in layers]
+    lses = [torch.empty(layer.query.shape[:2], device="cuda") for layer in layers]
+
+    def step() -> None:
+        plan = plan_forest(
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start_loc,
+            block_size=16,
+            num_cache_blocks=batch.key_cache.shape[0],
+            max_query_len=1,
+            queries_per_kv=4,
+            num_kv_heads=2,
+            config=config,
+        )
+        for layer, out, lse in zip(layers, outs, lses, strict=True):
+            launch_forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1, out, lse, knobs)
+
+    def check() -> None:
+        torch.cuda.synchronize()
+        for layer, out, lse in zip(layers, outs, lses, strict=True):
+            _check(out, lse, layer, 0.1)
+
+    step()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for layer, out, lse in zip(layers, outs, lses, strict=True):
+        layer.query.normal_()
+        layer.key_cache.normal_()
+        layer.value_cache.normal_()
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    graph.replay()
+    check()

@@ -32,6 +32,8 @@ KNOBS = {
     "split_combine_slices_small_chunks": DecodeKnobs(split_passes=True, combine_dim_block=32, combine_chunk_cap=2),
     "narrow_combine_programs": DecodeKnobs(combine_chunk_cap=4, combine_num_warps=2),
     "one_warp_combine_slices": DecodeKnobs(combine_dim_block=32, combine_num_warps=1),
+    # Programmatic dependent launch is a CUDA (sm_90+) feature: without it a chain is the plain split launch.
+    "chained_passes": DecodeKnobs(split_passes=True, chain_passes=True),
 }
 # Every pair of (block size, GQA ratio, head dim) values meets once.
 LATIN = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]
@@ -160,6 +162,33 @@ def test_knobs_are_validated(field: str, value: int, message: str) -> None:
     arguments: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=message):
         DecodeKnobs(**arguments)
+    if field != "combine_chunk_cap":
+        with pytest.raises(ValueError, match=message):
+            ForestKernelConfig(**arguments)
+
+
+def test_combine_shape_comes_from_the_config_unless_a_knob_overrides_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from arctic_dedup.forest import _kernels
+
+    launches: list[tuple[int, int, int]] = []
+    real = _kernels.forest_combine_kernel
+
+    class Recorder:
+        def __getitem__(self, grid: tuple[int]) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                launches.append((grid[0], kwargs["DIM_BLOCK"], kwargs["num_warps"]))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(_kernels, "forest_combine_kernel", Recorder())
+    batch = make_decode_batch([53, 40, 77], [[0, 9, 3, 0], [5], [0, 12]], queries_per_kv=4, head_dim=64, seed=34)
+    narrow = replace(_small(ForestKernelConfig()), combine_dim_block=16, combine_num_warps=1)
+    _run(batch, 4, DecodeKnobs(), narrow)
+    _run(batch, 4, DecodeKnobs(combine_dim_block=32, combine_num_warps=2), narrow)
+    _run(batch, 4, DecodeKnobs(), _small(ForestKernelConfig()))
+    pairs = batch.seq_lens.shape[0] * batch.key_cache.shape[2]
+    assert launches == [(pairs * 4, 16, 1), (pairs * 2, 32, 2), (pairs, 64, 4)]
 
 
 # Version 3 round 2 (``benchmarks/fca_decode.py --diagnose``): the default rule's two configs and the new split
@@ -192,6 +221,10 @@ V3 = {
     "fused_p64_s64": (
         _small(ForestKernelConfig(prefix_block_n=64, suffix_block_n=64, fuse_combine=True)),
         DecodeKnobs(),
+    ),
+    "dependent_launches_chained": (
+        _small(replace(default_forest_config(128, 8, 132), dependent_launches=True)),
+        DecodeKnobs(chain_passes=True),
     ),
     "fused_w1_side_stream_asked": (
         _small(ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, fuse_combine=True)),
@@ -240,6 +273,9 @@ def test_default_config_is_a_rule_by_batch_size() -> None:
     many = default_forest_config(128, 8, 132)
     assert (many.prefix_block_n, many.split_passes, many.prefix_waves) == (64, True, 2.0)
     assert default_forest_config(17, 8, 132) == many
+    # Round 3 (2026-12-01): one-warp combine programs over 32-dim slices in both cases.
+    for config in (one_wave, many):
+        assert (config.combine_dim_block, config.combine_num_warps) == (32, 1)
     # plan_forest without a config applies the rule (8 multiprocessors on CPU).
     small = make_decode_batch([40], [[3, 4]], seed=32)
     large = make_decode_batch([40, 50], [[3, 4, 5], [1, 2]], seed=33)
@@ -304,3 +340,11 @@ def test_fused_combine_needs_both_passes_in_order() -> None:
             launch_attention(
                 batch.query, batch.key_cache, batch.value_cache, plan, 0.2, out, lse, partials, passes=passes
             )
+
+
+def test_dependent_launches_need_a_cuda_device_of_compute_capability_9() -> None:
+    from arctic_dedup.forest._launch import dependent_launches
+
+    asked = ForestKernelConfig(dependent_launches=True)
+    assert not dependent_launches(asked, torch.device("cpu"))
+    assert not dependent_launches(ForestKernelConfig(), torch.device("cpu"))

@@ -26,12 +26,40 @@ Decode (per layer, two launches; three when the prefix and suffix passes are spl
   by log-sum-exp.
 
 Row ``r`` of a request's row block stands for query token ``r // G`` and query head ``kv_head * G + r % G``.
+
+Every kernel takes ``PDL`` (programmatic dependent launch, sm_90+; 0: a plain launch, nothing emitted). With 1 a
+program first lets the next launch of its stream be scheduled, then waits until the launch before it has finished
+and its writes are visible, before any memory access: results are those of plain stream order, only the launch
+gaps shrink. 2 waits first, then lets the next launch be scheduled (so the next launch starting implies that the
+one before this one has finished); 3 (the attention kernel's suffix pass after a prefix pass launched with 2, which
+it does not read) lets the next launch be scheduled and waits at the very end, so it runs beside the prefix pass
+and its own completion still implies the prefix pass's.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LN_2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _follow_previous_launch(PDL: tl.constexpr):
+    # With PDL 0 (the interpreter, other devices) nothing is emitted; the modes are in the module docstring.
+    if PDL == 1:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL == 2:
+        gdc_wait()
+        gdc_launch_dependents()
+    elif PDL == 3:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _end_after_previous_launch(PDL: tl.constexpr):
+    if PDL == 3:
+        gdc_wait()
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -58,7 +86,9 @@ def plan_count_kernel(
     num_cache_blocks,
     block_size,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _follow_previous_launch(PDL)
     request = tl.program_id(0)
     eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
     row = block_table_ptr + request.to(tl.int64) * stride_table_row
@@ -90,7 +120,9 @@ def plan_cut_kernel(
     min_group_size,
     min_prefix_blocks,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _follow_previous_launch(PDL)
     request = tl.program_id(0)
     eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
     row = block_table_ptr + request.to(tl.int64) * stride_table_row
@@ -278,7 +310,9 @@ def plan_group_kernel(
     MEMBERS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _follow_previous_launch(PDL)
     request = tl.program_id(0)
     key = tl.load(cut_key_ptr + request)
     candidate = key >= 0
@@ -361,7 +395,9 @@ def plan_paged_kernel(
     suffix_target_items,
     granularity,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _follow_previous_launch(PDL)
     _finish_plan(
         seq_lens_ptr,
         seq_lens_ptr,
@@ -853,7 +889,9 @@ def forest_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _follow_previous_launch(PDL)
     # The kv heads of one item are adjacent programs: they read neighbouring bytes of the same cache blocks.
     pid = tl.program_id(0)
     work = pid // num_kv_heads
@@ -1079,6 +1117,7 @@ def forest_attention_kernel(
                 UPCAST,
                 DOT_PRECISION,
             )
+    _end_after_previous_launch(PDL)
 
 
 @triton.jit
@@ -1109,7 +1148,9 @@ def forest_combine_kernel(
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
     DIM_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _follow_previous_launch(PDL)
     # One program per (request, kv head, slice of DIM_BLOCK head dims): narrower slices give more programs, each
     # loading all its partials in fewer rounds.
     pid = tl.program_id(0)

@@ -34,17 +34,23 @@ COMBINE_CHUNK_FLOATS = 8192
 class DecodeKnobs:
     """Internal launch variants of forest decode, compared by ``benchmarks/fca_decode.py --diagnose`` (not public API).
 
-    The defaults are version 2's launches; every variant computes the same result.
+    The defaults are the plan config's launches; every variant computes the same result.
 
     Attributes:
         split_passes: prefix items and suffix items in two launches, each with its own launch options.
         prefix_num_warps, prefix_num_stages: launch options of the prefix launch when split (``None``: the config's).
         side_stream: with ``split_passes`` on CUDA, the prefix launch runs on a side stream, concurrently with the
             suffix launch (two branches of a CUDA graph when captured); both join before the combine.
-        combine_dim_block: head dims per combine program (``None``: the whole head); a power of two >= 16.
+        combine_dim_block: head dims per combine program, overriding ``ForestKernelConfig.combine_dim_block``
+            (``None``: the config's); a power of two >= 16.
         combine_chunk_cap: most partials a combine program loads at once.
-        combine_num_warps: warps per combine program (1, 2, 4 or 8): fewer warps per program fit more programs on an
-            SM, so a latency-bound combine takes fewer waves (sm90_compile_report.py gives the registers).
+        combine_num_warps: warps per combine program (1, 2, 4 or 8), overriding the config's (``None``): fewer warps
+            per program fit more programs on an SM, so a latency-bound combine takes fewer waves
+            (sm90_compile_report.py gives the registers).
+        chain_passes: with ``ForestKernelConfig.dependent_launches`` in effect and split passes, both passes stay on
+            one stream instead of the side stream: the prefix pass waits for the plan before letting the suffix
+            pass be scheduled, the suffix pass runs beside the prefix pass's last programs and waits for it only at
+            its end (so the combine after it still sees every partial).
     """
 
     split_passes: bool = False
@@ -53,7 +59,8 @@ class DecodeKnobs:
     side_stream: bool = False
     combine_dim_block: int | None = None
     combine_chunk_cap: int = 16
-    combine_num_warps: int = 4
+    combine_num_warps: int | None = None
+    chain_passes: bool = False
 
     def __post_init__(self) -> None:
         block = self.combine_dim_block
@@ -61,7 +68,7 @@ class DecodeKnobs:
             raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {block}")
         if self.combine_chunk_cap < 1 or self.combine_chunk_cap & (self.combine_chunk_cap - 1):
             raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
-        if self.combine_num_warps not in (1, 2, 4, 8):
+        if self.combine_num_warps not in (None, 1, 2, 4, 8):
             raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
 
 
@@ -80,6 +87,25 @@ class Partials:
 
 def _next_power_of_two(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
+
+
+@functools.cache
+def _compute_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def dependent_launches(config: ForestKernelConfig, device: torch.device) -> bool:
+    """Programmatic dependent launch: the config asks for it and the device has it (CUDA, compute capability >=
+    9.0, not the interpreter)."""
+    if not (config.dependent_launches and device.type == "cuda" and not interpreting()):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _compute_capability(index) >= (9, 0)
+
+
+def _pdl_options(enabled: bool, mode: int = 1) -> dict[str, Any]:
+    """The ``PDL`` constexpr of a forest kernel (modes: ``_kernels`` docstring) and Triton's launch option."""
+    return {"PDL": mode, "launch_pdl": True} if enabled else {"PDL": 0}
 
 
 def _previous_power_of_two(value: int) -> int:
@@ -152,6 +178,7 @@ def launch_plan(
     )
 
     num_requests = sizes.num_requests
+    pdl = _pdl_options(dependent_launches(config, block_table.device))
     block_requests = _next_power_of_two(max(2, num_requests))
     finish_warps = 4 if block_requests <= 1024 else 8
     if grouping is None or workspace is None:
@@ -170,6 +197,7 @@ def launch_plan(
             config.split_granularity,
             BLOCK_R=block_requests,
             num_warps=finish_warps,
+            **pdl,
         )
         return
     if block_table.stride(1) != 1:
@@ -191,6 +219,7 @@ def launch_plan(
         workspace.num_cache_blocks,
         block_size,
         BLOCK_E=block_entries,
+        **pdl,
     )
     plan_cut_kernel[grid](
         block_table,
@@ -207,6 +236,7 @@ def launch_plan(
         grouping.min_group_size,
         grouping.min_prefix_blocks,
         BLOCK_E=block_entries,
+        **pdl,
     )
     plan_group_kernel[grid](
         block_table,
@@ -250,6 +280,7 @@ def launch_plan(
         BLOCK_R=block_requests,
         BLOCK_E=block_entries,
         num_warps=finish_warps,
+        **pdl,
     )
 
 
@@ -326,6 +357,9 @@ def launch_attention(
     q_strides = query.stride()
     prefix_rows = partials.prefix_rows
     owners_block = _next_power_of_two(max(2, 2 * num_requests))
+    pdl = dependent_launches(config, query.device)
+    # The suffix pass reads nothing the prefix pass writes: chained, it starts beside the prefix pass's last wave.
+    chain = pdl and knobs.chain_passes and not fuse and passes == (1, 2)
 
     def launch(which: int) -> Any:
         programs = {0: plan.max_prefix_work + plan.max_suffix_work, 1: plan.max_prefix_work, 2: plan.max_suffix_work}
@@ -391,10 +425,11 @@ def launch_attention(
             PASS=which,
             num_warps=warps,
             num_stages=stages,
+            **_pdl_options(pdl, {1: 2, 2: 3}[which] if chain else 1),
         )
 
     # With a fused combine the suffix pass reads the prefix pass's partials: both stay on one stream, in order.
-    if (knobs.side_stream or config.split_passes) and not fuse and passes == (1, 2) and query.is_cuda:
+    if (knobs.side_stream or config.split_passes) and not (fuse or chain) and passes == (1, 2) and query.is_cuda:
         main = torch.cuda.current_stream(query.device)
         side = _side_stream(query.device.index if query.device.index is not None else torch.cuda.current_device())
         side.wait_stream(main)
@@ -424,7 +459,9 @@ def launch_combine(
     from arctic_dedup.forest._kernels import forest_combine_kernel
 
     head_block = max(16, _next_power_of_two(head_dim))
-    dim_block = min(head_block, knobs.combine_dim_block or head_block)
+    config = plan.config
+    dim_block = min(head_block, knobs.combine_dim_block or config.combine_dim_block or head_block)
+    num_warps = knobs.combine_num_warps if knobs.combine_num_warps is not None else config.combine_num_warps
     dim_chunks = head_block // dim_block
     rows = partials.rows
     chunk = max(1, min(knobs.combine_chunk_cap, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (rows * dim_block))))
@@ -455,7 +492,8 @@ def launch_combine(
         ROWS=rows,
         CHUNK=chunk,
         DIM_BLOCK=dim_block,
-        num_warps=knobs.combine_num_warps,
+        num_warps=num_warps,
+        **_pdl_options(dependent_launches(config, out.device)),
     )
 
 

@@ -83,6 +83,13 @@ class ForestKernelConfig:
             whose suffix is one item merges its prefix partials in that item and writes its output, so the combine
             only serves requests with several suffix items (implies ``split_passes``, without the side stream);
             ignored by plans without groups.
+        combine_dim_block: head dims merged by one combine program (``None``: the whole head); a power of two >= 16.
+        combine_num_warps: warps per combine program (1, 2, 4 or 8). The combine is latency-bound: narrower
+            programs (fewer dims, fewer warps) fit more of them on a multiprocessor, so it takes fewer waves.
+        dependent_launches: programmatic dependent launch on CUDA devices of compute capability 9.0 and newer: each
+            launch of the plan and the decode is scheduled while the launch before it on its stream finishes, and
+            its programs wait on the device for that launch's results (same results, shorter launch gaps; also
+            inside CUDA graphs). Ignored on other devices and under the Triton interpreter.
     """
 
     prefix_block_m: int = 64
@@ -96,12 +103,20 @@ class ForestKernelConfig:
     multiprocessors: int | None = None
     split_passes: bool = False
     fuse_combine: bool = False
+    combine_dim_block: int | None = None
+    combine_num_warps: int = 4
+    dependent_launches: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefix_block_m", "prefix_block_n", "suffix_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        block = self.combine_dim_block
+        if block is not None and (block < 16 or block & (block - 1)):
+            raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {block}")
+        if self.combine_num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
         if self.split_granularity < 1:
             raise ValueError(f"split_granularity must be >= 1, got {self.split_granularity}")
         if self.waves <= 0 or self.prefix_waves <= 0:
@@ -109,20 +124,21 @@ class ForestKernelConfig:
 
 
 def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors: int) -> ForestKernelConfig:
-    """``plan_forest``'s config when none is given: a rule by batch size, from the H200 diagnoses of 2026-11-30.
+    """``plan_forest``'s config when none is given: a rule by batch size, from the H200 diagnoses of 2026-11-30/12-01.
 
     A batch with at most one (request, kv head) pair per multiprocessor gets one wave of long items with 64x64
     prefix tiles (``prefix_block_n=64``, ``prefix_waves = waves = 1``; "w1_p64" in the second diagnosis: 16 x (8192
-    + 512) kernels 34.4 us, whole op 45.6 us, against 40.8 / 51.7 us for the first round's one-wave rule with 64x32
-    tiles); larger batches get 64-token prefix tiles in a prefix launch of their own on a side stream (8 groups x
-    16: 161.0 us against 167.0 for version 2; in one launch the 112 KB tiles cost the suffix items a third of their
-    slots: 169.0 us). The second round's best for 8 x 16 (suffix tiles of 64 too, combine chunks of 8) measured
-    159.9 us, within the repeat-to-repeat spread, so that rule stays (``forest/NOTES.md``, "Version 3, measured";
-    ``benchmarks/results/fca_decode_diagnose.json``).
+    + 512) kernels 34.4 us against 40.8 us for the first round's one-wave rule with 64x32 tiles); larger batches get
+    64-token prefix tiles in a prefix launch of their own on a side stream (8 groups x 16: 161.0 us against 167.0
+    for version 2; in one launch the 112 KB tiles cost the suffix items a third of their slots: 169.0 us). Both
+    merge with one-warp combine programs over 32-dim slices ("v3_combine_w1_d32", 2026-12-01: combine 17.7 -> 7.3
+    us for 8 x 16, 7.7 -> 4.1 us for the single group; the best of four combine shapes in both cases).
+    ``forest/NOTES.md``, "Version 3" and "Round 3"; ``benchmarks/results/fca_decode_diagnose.json``.
     """
+    narrow_combine = {"combine_dim_block": 32, "combine_num_warps": 1}
     if num_requests * num_kv_heads <= multiprocessors:
-        return ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0)
-    return ForestKernelConfig(prefix_block_n=64, split_passes=True)
+        return ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, **narrow_combine)
+    return ForestKernelConfig(prefix_block_n=64, split_passes=True, **narrow_combine)
 
 
 class ForestWorkspace:
