@@ -591,25 +591,34 @@ def _variants() -> list[Variant]:
     p64_s64 = replace(base, prefix_block_n=64, suffix_block_n=64, split_passes=True)
     deep = replace(base, num_stages=5, split_passes=True)
     fused = replace(p64_s64, split_passes=False, fuse_combine=True)
-    pdl = (("dependent_launches", True),)
     return [
-        # Round 4: programmatic dependent launch (each launch scheduled while the one before it finishes).
+        # Round 5 (predictions in forest/NOTES.md): the single group's suffix programs stream 32-token tiles, a
+        # quarter of the bytes in flight of the SM's other (prefix) program, and are its critical path.
         Variant(
-            "v4_pdl_chain",
-            "v3_default with dependent launches; split passes chained on one stream (the suffix pass starts beside "
-            "the prefix pass's last wave and waits for it at its end) instead of the side stream",
+            "v5_default",
+            "plan_forest's default rule (w1_p64 for <= 1 (request, kv head) per SM, else stream_p64; 1-warp 32-dim "
+            "combine; dependent launches)",
             None,
-            DecodeKnobs(chain_passes=True),
-            pdl,
         ),
         Variant(
-            "v4_pdl", "v3_default with dependent launches (split passes keep the side stream)", None, rule_changes=pdl
+            "v5_s64",
+            "the default rule with 64-token suffix tiles (single group: one prefix and one suffix program per SM, "
+            "64 KB in flight each)",
+            None,
+            rule_changes=(("suffix_block_n", 64),),
+        ),
+        Variant(
+            "v4_pdl_chain",
+            "the default rule; split passes chained on one stream (the suffix pass starts beside the prefix "
+            "pass's last wave and waits for it at its end) instead of the side stream",
+            None,
+            DecodeKnobs(chain_passes=True),
         ),
         Variant(
             "v3_default",
-            "plan_forest's default rule (w1_p64 for <= 1 (request, kv head) per SM, else stream_p64; since 2026-12-01 "
-            "with the 1-warp 32-dim combine)",
+            "the default rule without dependent launches (as of round 3)",
             None,
+            rule_changes=(("dependent_launches", False),),
         ),
         # Round 3 (offline: sm90_compile_report; the combine is latency-bound, 17.7 us whatever its partial bytes):
         # fewer registers per combine program, so its 1024 RL-8x16 programs take ~1 wave instead of 2.6.
@@ -1097,7 +1106,7 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
     for diagnosis in diagnoses:
         name = diagnosis.case.name
         timed = sorted((r for r in results[name] if "kernels_us" in r), key=lambda r: r["kernels_us"])
-        always = ("v2", "v3_default", "v4_pdl", "v4_pdl_chain")
+        always = ("v2", "v3_default", "v5_default", "v5_s64")
         for result in [r for r in timed if r["variant"] in always] + [
             r for r in timed[:2] if r["variant"] not in always
         ]:

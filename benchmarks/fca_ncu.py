@@ -9,6 +9,10 @@ kv heads, d=128, bf16, block 16), each synchronized, so a profiler sees them in 
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
         python benchmarks/fca_ncu.py
 
+``--plans``: instead, the planner's three launches for RL-8x16 and for one group of 16 (the default rule's configs),
+for ``ncu -k regex:plan_`` (each kernel's duration against the plan's time inside a CUDA graph, where the launch
+gaps count too).
+
 Without a profiler it prints each pass's bytes and the time of one synchronized call (launch overhead included:
 for kernel times use Nsight Compute or ``fca_decode.py``, which replays CUDA graphs).
 ``--smoke``: tiny shapes through Triton's interpreter on CPU (checks the code path only).
@@ -32,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fca_decode import H200, SMOKE, _forest_plan, _paged_plan, pass_bytes
+from fca_decode import H200, SMOKE, Shape, _forest_plan, _paged_plan, pass_bytes
 
 from arctic_dedup.forest import ForestKernelConfig, ForestWorkspace, forest_decode
 from arctic_dedup.forest._launch import allocate_partials, launch_attention
@@ -57,10 +61,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
+    parser.add_argument("--plans", action="store_true", help="profile the planner's launches instead of the passes")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("fca_ncu.py needs a CUDA GPU (or --smoke)")
     shape = SMOKE if args.smoke else H200
+    if args.plans:
+        _plans(shape, args.rounds, args.smoke)
+        return
     prompt, groups, samples, response = (64, 2, 3, 16) if args.smoke else (8192, 8, 16, 512)
     batch = make_decode_batch(
         [prompt] * groups,
@@ -111,6 +119,32 @@ def main() -> None:
         # One synchronized call from Python: the launch overhead is inside (on the H200 the prefix pass read 215 us
         # here against 75 us of kernel in Nsight Compute), so this is no bandwidth figure; fca_decode.py times graphs.
         print(f"{name}: {num_bytes / 1e6:.0f} MB, {us:.1f} us per synchronized call (launch overhead included)")
+
+
+def _plans(shape: Shape, rounds: int, smoke: bool) -> None:
+    """Plan RL-8x16 and the single group (each with its default-rule config), synchronized, ``rounds`` times."""
+    prompt, groups, samples, response = (64, 2, 3, 16) if smoke else (8192, 8, 16, 512)
+    for label, group_count in (("rl8x16", groups), ("single group", 1)):
+        batch = make_decode_batch(
+            [prompt] * group_count,
+            [[response] * samples] * group_count,
+            block_size=shape.block,
+            num_kv_heads=shape.heads_kv,
+            queries_per_kv=shape.queries_per_kv,
+            head_dim=shape.head_dim,
+            dtype=shape.dtype,
+            device=shape.device,
+            seed=0,
+            spare_blocks=0,
+        )
+        workspace = ForestWorkspace(batch.key_cache.shape[0], shape.device)
+        times = [_timed(lambda: _forest_plan(batch, shape, None, workspace), shape.device) for _ in range(rounds + 1)]
+        plan = _forest_plan(batch, shape, None, workspace)
+        print(
+            f"{label}: {batch.seq_lens.shape[0]} requests, {int(plan.num_groups[0])} groups, config {plan.config}; "
+            f"{statistics.median(times[1:]):.1f} us per synchronized plan (launch overhead included)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@
 #   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
 #   fca-ncu        RL-8x16's prefix pass, suffix pass and per-request kernel alone: timed, then under Nsight Compute
 #                  (throughput, memory, warp stalls, occupancy; fca_ncu.log)  (~2 min)
+#   fca-ncu-plan   the planner's launches for RL-8x16 and the single group under Nsight Compute (each kernel's
+#                  duration; fca_ncu_plan.log)  (~1 min)
 #   fused-kernels  the hybrid's fused norms and conv against transformers' torch code  (~1 min)
 #   kernel-tests   the GPU tests of the fused kernels (norms, conv, SwiGLU, log-prob chunk, fused hybrids)  (~1 min)
 #   dense-tests    the dense bf16 gradient tests of arctic-zorro-train (every tree-attention backend)  (~1 min)
@@ -119,6 +121,10 @@ for stage in "$@"; do
         --section Occupancy --section SchedulerStats --section LaunchStats \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 benchmarks/fca_ncu.py --rounds 1 ;;
+    fca-ncu-plan)
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+      run fca_ncu_plan 150 "$ncu_bin" --clock-control none -k regex:plan_ --section SpeedOfLight --section LaunchStats \
+        --section Occupancy python3 benchmarks/fca_ncu.py --plans --rounds 1 ;;
     fused-kernels) run fused_kernels 150 python3 benchmarks/fused_kernels.py --out "$out" ;;
     kernel-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run kernel_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_fused_norms.py \

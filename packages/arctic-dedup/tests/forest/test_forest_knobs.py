@@ -273,9 +273,9 @@ def test_default_config_is_a_rule_by_batch_size() -> None:
     many = default_forest_config(128, 8, 132)
     assert (many.prefix_block_n, many.split_passes, many.prefix_waves) == (64, True, 2.0)
     assert default_forest_config(17, 8, 132) == many
-    # Round 3 (2026-12-01): one-warp combine programs over 32-dim slices in both cases.
+    # Rounds 3 and 4 (2026-12-01): one-warp combine programs over 32-dim slices, dependent launches, in both cases.
     for config in (one_wave, many):
-        assert (config.combine_dim_block, config.combine_num_warps) == (32, 1)
+        assert (config.combine_dim_block, config.combine_num_warps, config.dependent_launches) == (32, 1, True)
     # plan_forest without a config applies the rule (8 multiprocessors on CPU).
     small = make_decode_batch([40], [[3, 4]], seed=32)
     large = make_decode_batch([40, 50], [[3, 4, 5], [1, 2]], seed=33)

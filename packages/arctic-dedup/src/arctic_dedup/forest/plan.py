@@ -132,13 +132,15 @@ def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors:
     64-token prefix tiles in a prefix launch of their own on a side stream (8 groups x 16: 161.0 us against 167.0
     for version 2; in one launch the 112 KB tiles cost the suffix items a third of their slots: 169.0 us). Both
     merge with one-warp combine programs over 32-dim slices ("v3_combine_w1_d32", 2026-12-01: combine 17.7 -> 7.3
-    us for 8 x 16, 7.7 -> 4.1 us for the single group; the best of four combine shapes in both cases).
-    ``forest/NOTES.md``, "Version 3" and "Round 3"; ``benchmarks/results/fca_decode_diagnose.json``.
+    us for 8 x 16, 7.7 -> 4.1 us for the single group; the best of four combine shapes in both cases) and use
+    dependent launches where the device has them ("v4_pdl", 2026-12-01: plan 16.1 -> 14.7 / 11.3 -> 9.7 us, whole
+    op 166.4 -> 165.6 / 41.8 -> 40.6 us). ``forest/NOTES.md``, "Version 3", "Round 3" and "Round 4";
+    ``benchmarks/results/fca_decode_diagnose.json``.
     """
-    narrow_combine = {"combine_dim_block": 32, "combine_num_warps": 1}
+    common = {"combine_dim_block": 32, "combine_num_warps": 1, "dependent_launches": True}
     if num_requests * num_kv_heads <= multiprocessors:
-        return ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, **narrow_combine)
-    return ForestKernelConfig(prefix_block_n=64, split_passes=True, **narrow_combine)
+        return ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, **common)
+    return ForestKernelConfig(prefix_block_n=64, split_passes=True, **common)
 
 
 class ForestWorkspace:
