@@ -30,6 +30,7 @@ if "--smoke" in sys.argv:
 import argparse
 import statistics
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -138,7 +139,8 @@ def _plans(shape: Shape, rounds: int, smoke: bool) -> None:
             spare_blocks=0,
         )
         workspace = ForestWorkspace(batch.key_cache.shape[0], shape.device)
-        times = [_timed(lambda: _forest_plan(batch, shape, None, workspace), shape.device) for _ in range(rounds + 1)]
+        run = partial(_forest_plan, batch, shape, None, workspace)
+        times = [_timed(run, shape.device) for _ in range(rounds + 1)]
         plan = _forest_plan(batch, shape, None, workspace)
         print(
             f"{label}: {batch.seq_lens.shape[0]} requests, {int(plan.num_groups[0])} groups, config {plan.config}; "
