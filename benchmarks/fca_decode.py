@@ -441,9 +441,10 @@ def _tune(
             best, best_score = config, score
 
     paged_best, paged_best_us = base, math.inf
+    # The per-request kernel gets dependent launches too when they help it, so the comparison stays fair.
     for paged_candidate in PAGED_CANDIDATES:
-        for waves in (2.0, 4.0):
-            config = replace(_paged_config(base, paged_candidate), waves=waves)
+        for waves, dependent in ((2.0, False), (4.0, False), (2.0, True), (4.0, True)):
+            config = replace(_paged_config(base, paged_candidate), waves=waves, dependent_launches=dependent)
             us = _safe_time(no_share, "paged_kernels", config, repeats)
             rows.append({"tune": "paged on no_share", "config": str(config), "us": us})
             if us < paged_best_us:

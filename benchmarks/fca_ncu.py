@@ -63,6 +63,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
     parser.add_argument("--plans", action="store_true", help="profile the planner's launches instead of the passes")
+    parser.add_argument(
+        "--single-group",
+        action="store_true",
+        help="one group of 16 x (8192 + 512) instead of RL-8x16: its one attention launch (the default rule's), "
+        "then the per-request kernel",
+    )
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("fca_ncu.py needs a CUDA GPU (or --smoke)")
@@ -71,6 +77,8 @@ def main() -> None:
         _plans(shape, args.rounds, args.smoke)
         return
     prompt, groups, samples, response = (64, 2, 3, 16) if args.smoke else (8192, 8, 16, 512)
+    if args.single_group:
+        groups = 1
     batch = make_decode_batch(
         [prompt] * groups,
         [[response] * samples] * groups,
@@ -105,17 +113,17 @@ def main() -> None:
         return forest_decode(batch.query, batch.key_cache, batch.value_cache, paged, scale, out=out, lse=lse)
 
     runs = {"prefix pass": attention((1,)), "suffix pass": attention((2,)), "per-request kernel": per_request}
+    if args.single_group:
+        runs = {"attention (one launch)": attention((0,)), "per-request kernel": per_request}
     for run in runs.values():  # warm-up: compiles every kernel before the profiled launches
         _timed(run, shape.device)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, run in runs.items():
             times[name].append(_timed(run, shape.device))
-    for name, num_bytes in (
-        ("prefix pass", prefix_bytes),
-        ("suffix pass", suffix_bytes),
-        ("per-request kernel", total_bytes),
-    ):
+    measured = {"prefix pass": prefix_bytes, "suffix pass": suffix_bytes, "per-request kernel": total_bytes}
+    measured["attention (one launch)"] = prefix_bytes + suffix_bytes
+    for name, num_bytes in ((name, measured[name]) for name in runs):
         us = statistics.median(times[name])
         # One synchronized call from Python: the launch overhead is inside (on the H200 the prefix pass read 215 us
         # here against 75 us of kernel in Nsight Compute), so this is no bandwidth figure; fca_decode.py times graphs.

@@ -37,6 +37,8 @@
 #   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
 #   fca-ncu        RL-8x16's prefix pass, suffix pass and per-request kernel alone: timed, then under Nsight Compute
 #                  (throughput, memory, warp stalls, occupancy; fca_ncu.log)  (~2 min)
+#   fca-ncu-single the single group's attention launch and its per-request kernel under Nsight Compute
+#                  (fca_ncu_single.log)  (~1 min)
 #   fca-ncu-plan   the planner's launches for RL-8x16 and the single group under Nsight Compute (each kernel's
 #                  duration; fca_ncu_plan.log)  (~1 min)
 #   fused-kernels  the hybrid's fused norms and conv against transformers' torch code  (~1 min)
@@ -121,6 +123,13 @@ for stage in "$@"; do
         --section Occupancy --section SchedulerStats --section LaunchStats \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 benchmarks/fca_ncu.py --rounds 1 ;;
+    fca-ncu-single)
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+      run fca_ncu_single 150 "$ncu_bin" --clock-control none -k regex:forest_attention_kernel --launch-skip 2 \
+        --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section SchedulerStats --section LaunchStats \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 benchmarks/fca_ncu.py --single-group --rounds 1 ;;
     fca-ncu-plan)
       ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
       run fca_ncu_plan 150 "$ncu_bin" --clock-control none -k regex:plan_ --section SpeedOfLight --section LaunchStats \
