@@ -592,7 +592,37 @@ def _variants() -> list[Variant]:
     p64_s64 = replace(base, prefix_block_n=64, suffix_block_n=64, split_passes=True)
     deep = replace(base, num_stages=5, split_passes=True)
     fused = replace(p64_s64, split_passes=False, fuse_combine=True)
+    w8 = (("num_warps", 8),)
     return [
+        # Round 6 (predictions in forest/NOTES.md): Nsight Compute found the single group issue-bound (2 programs
+        # of 4 warps per SM, 62% of issue slots idle); 8-warp programs capped at 128 registers still fit 2 per SM.
+        Variant(
+            "v6_w8_r128",
+            "the default rule with 8-warp attention programs capped at 128 registers (2 per SM: 16 warps)",
+            None,
+            DecodeKnobs(max_registers=128),
+            w8,
+        ),
+        Variant(
+            "v6_w8",
+            "the default rule with 8-warp attention programs, registers uncapped (136-180: 1 prefix program per SM)",
+            None,
+            rule_changes=w8,
+        ),
+        Variant(
+            "v6_prefix_w8_r128",
+            "the default rule; split passes: an 8-warp prefix pass capped at 128 registers, the 4-warp suffix pass "
+            "(the single group's one launch: as v6_w8_r128 with 4-warp programs, i.e. the default)",
+            None,
+            DecodeKnobs(prefix_num_warps=8, prefix_max_registers=128),
+        ),
+        Variant(
+            "v6_w8_r128_s64",
+            "v6_w8_r128 with 64-token suffix tiles",
+            None,
+            DecodeKnobs(max_registers=128),
+            (*w8, ("suffix_block_n", 64)),
+        ),
         # Round 5 (predictions in forest/NOTES.md): the single group's suffix programs stream 32-token tiles, a
         # quarter of the bytes in flight of the SM's other (prefix) program, and are its critical path.
         Variant(
@@ -730,6 +760,8 @@ def _compile_signature(case_name: str, variant: Variant) -> tuple[Any, ...]:
         knobs.combine_chunk_cap,
         knobs.combine_num_warps,
         knobs.chain_passes,
+        knobs.max_registers,
+        knobs.prefix_max_registers,
         config.combine_dim_block,
         config.combine_num_warps,
         config.dependent_launches,
@@ -1107,7 +1139,7 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
     for diagnosis in diagnoses:
         name = diagnosis.case.name
         timed = sorted((r for r in results[name] if "kernels_us" in r), key=lambda r: r["kernels_us"])
-        always = ("v2", "v3_default", "v5_default", "v5_s64")
+        always = ("v5_default", "v6_w8_r128", "v6_prefix_w8_r128")
         for result in [r for r in timed if r["variant"] in always] + [
             r for r in timed[:2] if r["variant"] not in always
         ]:

@@ -34,6 +34,8 @@ KNOBS = {
     "one_warp_combine_slices": DecodeKnobs(combine_dim_block=32, combine_num_warps=1),
     # Programmatic dependent launch is a CUDA (sm_90+) feature: without it a chain is the plain split launch.
     "chained_passes": DecodeKnobs(split_passes=True, chain_passes=True),
+    # Register caps are a compile option the interpreter ignores.
+    "register_caps": DecodeKnobs(split_passes=True, prefix_num_warps=8, max_registers=128, prefix_max_registers=96),
 }
 # Every pair of (block size, GQA ratio, head dim) values meets once.
 LATIN = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]
@@ -156,13 +158,15 @@ def test_prefix_pass_needs_groups() -> None:
         ("combine_dim_block", 8, "combine_dim_block"),
         ("combine_chunk_cap", 3, "chunk_cap"),
         ("combine_num_warps", 3, "combine_num_warps"),
+        ("max_registers", 8, "max_registers"),
+        ("prefix_max_registers", 300, "prefix_max_registers"),
     ],
 )
 def test_knobs_are_validated(field: str, value: int, message: str) -> None:
     arguments: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=message):
         DecodeKnobs(**arguments)
-    if field != "combine_chunk_cap":
+    if field in ("combine_dim_block", "combine_num_warps"):
         with pytest.raises(ValueError, match=message):
             ForestKernelConfig(**arguments)
 

@@ -39,6 +39,9 @@ class DecodeKnobs:
     Attributes:
         split_passes: prefix items and suffix items in two launches, each with its own launch options.
         prefix_num_warps, prefix_num_stages: launch options of the prefix launch when split (``None``: the config's).
+        max_registers: registers per thread the attention launches may use (Triton's ``maxnreg``; ``None``: what
+            ptxas picks), e.g. 128 so that two 8-warp programs fit a multiprocessor; ignored by the interpreter.
+        prefix_max_registers: the same for the prefix launch when split (``None``: ``max_registers``).
         side_stream: with ``split_passes`` on CUDA, the prefix launch runs on a side stream, concurrently with the
             suffix launch (two branches of a CUDA graph when captured); both join before the combine.
         combine_dim_block: head dims per combine program, overriding ``ForestKernelConfig.combine_dim_block``
@@ -56,6 +59,8 @@ class DecodeKnobs:
     split_passes: bool = False
     prefix_num_warps: int | None = None
     prefix_num_stages: int | None = None
+    max_registers: int | None = None
+    prefix_max_registers: int | None = None
     side_stream: bool = False
     combine_dim_block: int | None = None
     combine_chunk_cap: int = 16
@@ -70,6 +75,10 @@ class DecodeKnobs:
             raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
         if self.combine_num_warps not in (None, 1, 2, 4, 8):
             raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
+        for name in ("max_registers", "prefix_max_registers"):
+            registers = getattr(self, name)
+            if registers is not None and not 24 <= registers <= 255:
+                raise ValueError(f"{name} must be in [24, 255] or None, got {registers}")
 
 
 DEFAULT_KNOBS = DecodeKnobs()
@@ -364,6 +373,10 @@ def launch_attention(
     def launch(which: int) -> Any:
         programs = {0: plan.max_prefix_work + plan.max_suffix_work, 1: plan.max_prefix_work, 2: plan.max_suffix_work}
         warps, stages = (prefix_warps, prefix_stages) if which == 1 else (num_warps, num_stages)
+        registers = knobs.max_registers
+        if which == 1 and knobs.prefix_max_registers is not None:
+            registers = knobs.prefix_max_registers
+        limits = {"maxnreg": registers} if registers is not None and not interpreting() else {}
         return forest_attention_kernel[(programs[which] * num_kv_heads,)](
             query,
             key_cache,
@@ -426,6 +439,7 @@ def launch_attention(
             num_warps=warps,
             num_stages=stages,
             **_pdl_options(pdl, {1: 2, 2: 3}[which] if chain else 1),
+            **limits,
         )
 
     # With a fused combine the suffix pass reads the prefix pass's partials: both stay on one stream, in order.
