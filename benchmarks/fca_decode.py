@@ -594,6 +594,26 @@ def _variants() -> list[Variant]:
     fused = replace(p64_s64, split_passes=False, fuse_combine=True)
     w8 = (("num_warps", 8),)
     return [
+        # Round 7 (predictions in forest/NOTES.md): combine programs sized to fit one wave (sm90_compile_report
+        # registers: 1 warp, 8 partials at a time, 64 dims: 118 registers, 17 per SM, 2048 RL-8x16 programs).
+        Variant(
+            "v7_combine_c8_d64",
+            "the default rule with 1-warp combine programs over 64-dim halves, 8 partials at a time",
+            None,
+            DecodeKnobs(combine_dim_block=64, combine_chunk_cap=8),
+        ),
+        Variant(
+            "v7_combine_c8_d32",
+            "the default rule with 1-warp combine programs over 32-dim slices, 8 partials at a time (83 registers)",
+            None,
+            DecodeKnobs(combine_chunk_cap=8),
+        ),
+        Variant(
+            "v7_combine_c4_d32",
+            "the default rule with 1-warp combine programs over 32-dim slices, 4 partials at a time (71 registers)",
+            None,
+            DecodeKnobs(combine_chunk_cap=4),
+        ),
         # Round 6 (predictions in forest/NOTES.md): Nsight Compute found the single group issue-bound (2 programs
         # of 4 warps per SM, 62% of issue slots idle); 8-warp programs capped at 128 registers still fit 2 per SM.
         Variant(

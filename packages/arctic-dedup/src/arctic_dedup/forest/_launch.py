@@ -193,6 +193,8 @@ def launch_plan(
     if grouping is None or workspace is None:
         plan_paged_kernel[(1,)](
             seq_lens,
+            query_start_loc,
+            views["work_items"],
             views["prefix_blocks"],
             views["group_leader"],
             views["tile_of"],
@@ -273,6 +275,8 @@ def launch_plan(
         views["work_start"],
         views["split_tokens"],
         views["num_groups"],
+        views["work_items"],
+        views["member_queries"],
         block_table.stride(0),
         max_blocks,
         workspace.num_cache_blocks,
@@ -285,6 +289,7 @@ def launch_plan(
         sizes.prefix_target_items,
         sizes.suffix_target_items,
         config.split_granularity,
+        sizes.max_prefix_work,
         MEMBERS=sizes.members_per_tile,
         BLOCK_R=block_requests,
         BLOCK_E=block_entries,
@@ -365,7 +370,6 @@ def launch_attention(
     v_strides = value_cache.stride()
     q_strides = query.stride()
     prefix_rows = partials.prefix_rows
-    owners_block = _next_power_of_two(max(2, 2 * num_requests))
     pdl = dependent_launches(config, query.device)
     # The suffix pass reads nothing the prefix pass writes: chained, it starts beside the prefix pass's last wave.
     chain = pdl and knobs.chain_passes and not fuse and passes == (1, 2)
@@ -382,18 +386,10 @@ def launch_attention(
             key_cache,
             value_cache,
             table,
-            plan.query_start_loc,
-            plan.seq_lens,
-            plan.prefix_blocks,
-            plan.tile_of,
             plan.slot_in_tile,
-            plan.tile_leader,
-            plan.tile_prefix_blocks,
-            plan.tile_member_start,
-            plan.tile_member_count,
-            plan.member_list,
             plan.work_start,
-            plan.split_tokens,
+            plan.work_items,
+            plan.member_queries,
             out,
             lse,
             partials.out,
@@ -421,9 +417,9 @@ def launch_attention(
             num_requests,
             head_dim,
             num_kv_heads,
+            plan.max_prefix_work,
             HAS_PREFIX=plan.shares,
             FUSE=fuse,
-            OWNERS_BLOCK=owners_block,
             G=group_size,
             QMAX=query_max,
             PAGE=plan.block_size,

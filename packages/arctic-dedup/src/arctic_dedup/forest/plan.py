@@ -177,6 +177,11 @@ class ForestPlan:
     Work list: ``work_start [2N + 1]``, the first work item of each owner; owners ``0..N-1`` are tiles (prefix items
     of ``split_tokens[0]`` tokens), owners ``N..2N-1`` are requests (suffix items of ``split_tokens[1]`` tokens); a
     remainder under an eighth of a split joins the owner's last item.
+    Work items as records (``work_items [max_prefix_work + max_suffix_work, 8]`` int32; prefix items from row 0,
+    suffix items from row ``max_prefix_work``; rows past the plan's counts are unset): prefix item = (tile, first
+    token, end token, item, items of the tile, leader, first member, members); suffix item = (request, first token,
+    end token, tile or -1, items of the request, first query token, query tokens, sequence length).
+    ``member_queries [N, 2]``: the query token range of ``member_list[i]``.
     Stats (int32 ``[1]`` views): ``num_groups``, ``num_grouped_requests``, ``saved_block_reads`` (per kv head, layer).
     """
 
@@ -193,6 +198,8 @@ class ForestPlan:
     tile_member_count: torch.Tensor
     member_list: torch.Tensor
     work_start: torch.Tensor
+    work_items: torch.Tensor
+    member_queries: torch.Tensor
     split_tokens: torch.Tensor
     num_groups: torch.Tensor
     num_grouped_requests: torch.Tensor
@@ -350,7 +357,7 @@ def _find_groups(
     return leader, prefix, grouped
 
 
-def _plan_buffers(num_requests: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _plan_buffers(num_requests: int, num_work_items: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Every per-step output of the planner as views of one int32 allocation (no kernel launch)."""
     names = (
         "prefix_blocks",
@@ -364,7 +371,8 @@ def _plan_buffers(num_requests: int, device: torch.device) -> dict[str, torch.Te
         "member_list",
     )
     per_request = len(names) * num_requests
-    buffer = torch.empty(per_request + 2 * num_requests + 1 + 2 + 3, dtype=torch.int32, device=device)
+    records = 8 * num_work_items + 2 * num_requests
+    buffer = torch.empty(per_request + 2 * num_requests + 1 + 2 + 3 + records, dtype=torch.int32, device=device)
     views = {name: buffer[i * num_requests : (i + 1) * num_requests] for i, name in enumerate(names)}
     views["work_start"] = buffer[per_request : per_request + 2 * num_requests + 1]
     tail = per_request + 2 * num_requests + 1
@@ -372,6 +380,9 @@ def _plan_buffers(num_requests: int, device: torch.device) -> dict[str, torch.Te
     views["num_groups"] = buffer[tail + 2 : tail + 3]
     views["num_grouped_requests"] = buffer[tail + 3 : tail + 4]
     views["saved_block_reads"] = buffer[tail + 4 : tail + 5]
+    records_start = tail + 5
+    views["work_items"] = buffer[records_start : records_start + 8 * num_work_items].view(num_work_items, 8)
+    views["member_queries"] = buffer[records_start + 8 * num_work_items :].view(num_requests, 2)
     return views
 
 
@@ -388,6 +399,7 @@ def _item_count(lengths: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
 def _fill_torch(
     views: dict[str, torch.Tensor],
     seq: torch.Tensor,
+    starts: torch.Tensor,
     leader: torch.Tensor,
     prefix: torch.Tensor,
     grouped: torch.Tensor,
@@ -442,6 +454,52 @@ def _fill_torch(
     views["num_grouped_requests"].copy_(grouped.sum().reshape(1).to(torch.int32))
     saved = prefix.sum() - torch.where(is_leader, prefix, 0).sum()
     views["saved_block_reads"].copy_(saved.reshape(1).to(torch.int32))
+    items, splits = (prefix_items, suffix_items), (prefix_split, suffix_split)
+    _fill_records(views, seq, starts, prefix, tile, items, splits, sizes.max_prefix_work, block_size)
+
+
+def _fill_records(
+    views: dict[str, torch.Tensor],
+    seq: torch.Tensor,
+    starts: torch.Tensor,
+    prefix: torch.Tensor,
+    tile: torch.Tensor,
+    items: tuple[torch.Tensor, torch.Tensor],
+    splits: tuple[torch.Tensor, torch.Tensor],
+    max_prefix_work: int,
+    block_size: int,
+) -> None:
+    """The work-item records and member query ranges (mirrors the end of ``_finish_plan`` in the kernels)."""
+    device = seq.device
+    prefix_items, suffix_items = items
+    prefix_split, suffix_split = splits
+    starts = starts.to(torch.int64)
+    query_begin, query_len = starts[:-1], starts[1:] - starts[:-1]
+    members = views["member_list"].to(torch.int64)
+    member_count = int(views["num_grouped_requests"][0])
+    views["member_queries"][:member_count, 0] = query_begin[members[:member_count]].to(torch.int32)
+    views["member_queries"][:member_count, 1] = (query_begin + query_len)[members[:member_count]].to(torch.int32)
+    records = views["work_items"]
+
+    def expand(items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        owners = torch.repeat_interleave(torch.arange(items.shape[0], device=device), items)
+        first = torch.cumsum(items, 0) - items
+        return owners, torch.arange(owners.shape[0], device=device) - first[owners]
+
+    tiles, item = expand(prefix_items)
+    count = prefix_items[tiles]
+    tile_tokens = views["tile_prefix_blocks"].to(torch.int64)[tiles] * block_size
+    start = item * prefix_split
+    end = torch.where(item == count - 1, tile_tokens, start + prefix_split)
+    fields = [tiles, start, end, item, count]
+    fields += [views[name].to(torch.int64)[tiles] for name in ("tile_leader", "tile_member_start", "tile_member_count")]
+    records[: tiles.shape[0]] = torch.stack(fields, 1).to(torch.int32)
+    requests, item = expand(suffix_items)
+    count = suffix_items[requests]
+    start = prefix[requests] * block_size + item * suffix_split
+    end = torch.where(item == count - 1, seq[requests], start + suffix_split)
+    fields = [requests, start, end, tile[requests], count, query_begin[requests], query_len[requests], seq[requests]]
+    records[max_prefix_work : max_prefix_work + requests.shape[0]] = torch.stack(fields, 1).to(torch.int32)
 
 
 def _build(
@@ -463,7 +521,7 @@ def _build(
     device = block_table.device
     num_requests = block_table.shape[0]
     sizes = _sizes(num_requests, device, max_query_len, queries_per_kv, num_kv_heads, config, grouping is not None)
-    views = _plan_buffers(num_requests, device)
+    views = _plan_buffers(num_requests, sizes.max_prefix_work + sizes.max_suffix_work, device)
     seq = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     if resolve_backend(backend, block_table) == "triton":
@@ -493,7 +551,9 @@ def _build(
             leader = requests.clone()
             prefix = torch.zeros(num_requests, dtype=torch.int64, device=device)
             grouped = torch.zeros(num_requests, dtype=torch.bool, device=device)
-        _fill_torch(views, seq.to(torch.int64), leader, prefix, grouped, sizes, block_size, config.split_granularity)
+        _fill_torch(
+            views, seq.to(torch.int64), starts, leader, prefix, grouped, sizes, block_size, config.split_granularity
+        )
     return ForestPlan(
         block_table=block_table,
         seq_lens=seq,
