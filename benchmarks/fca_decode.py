@@ -784,6 +784,7 @@ def _compile_signature(case_name: str, variant: Variant) -> tuple[Any, ...]:
         knobs.prefix_max_registers,
         config.combine_dim_block,
         config.combine_num_warps,
+        config.combine_chunk_cap,
         config.dependent_launches,
     )
 

@@ -104,7 +104,7 @@ def forest_report() -> None:
     pointers = {"*": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"}
     pointers.update({name: "*fp32" for name in ("lse_ptr", "prefix_part_out_ptr", "prefix_part_lse_ptr")})
     pointers.update({name: "*fp32" for name in ("suffix_part_out_ptr", "suffix_part_lse_ptr")})
-    shapes = {"HAS_PREFIX": True, "FUSE": False, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0}
+    shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0}
     shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
     kernel = forest_kernels.forest_attention_kernel
     # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.
@@ -130,8 +130,9 @@ def forest_report() -> None:
     flags = {"HAS_PREFIX": True, "FUSE": False, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "PDL": 0}
     combine = forest_kernels.forest_combine_kernel
     # ForestKernelConfig()'s combine (4 warps, whole heads, 16 partials at a time), the variants fca_decode.py
-    # --diagnose timed, and the default rule's (1 warp, 32-dim slices: 4 programs per (request, kv head)).
-    for warps, chunk, dims in ((4, 16, 128), (4, 8, 128), (2, 8, 128), (2, 4, 128), (1, 16, 32)):
+    # --diagnose timed, and the default rule's (1 warp, 64-dim halves, 8 partials at a time).
+    shapes_timed = ((4, 16, 128), (4, 8, 128), (2, 8, 128), (2, 4, 128), (1, 16, 32), (1, 8, 32), (1, 8, 64))
+    for warps, chunk, dims in shapes_timed:
         label = f"forest combine {warps} warps chunk {chunk}" + ("" if dims == 128 else f" dims {dims}")
         sliced = combine_ints if dims == 128 else {**combine_ints, "dim_chunks": 128 // dims}
         tiles = {**flags, "CHUNK": chunk, "DIM_BLOCK": dims}

@@ -58,6 +58,7 @@ def _compile(kernel: object, constants: dict[str, object], num_warps: int, num_s
 
 COMMON = {"G": 4, "QMAX": 1, "PAGE": 16, "HEAD_DIM": 128, "UPCAST": False, "DOT_PRECISION": "tf32"}
 ATTENTION = {
+    "OWNERS_BLOCK": 256,
     "PREFIX_BLOCK_M": 64,
     "SUFFIX_BLOCK_M": 16,
     "ROWS": 4,

@@ -166,7 +166,7 @@ def test_knobs_are_validated(field: str, value: int, message: str) -> None:
     arguments: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=message):
         DecodeKnobs(**arguments)
-    if field in ("combine_dim_block", "combine_num_warps"):
+    if field in ("combine_dim_block", "combine_num_warps", "combine_chunk_cap"):
         with pytest.raises(ValueError, match=message):
             ForestKernelConfig(**arguments)
 
@@ -180,19 +180,19 @@ def test_combine_shape_comes_from_the_config_unless_a_knob_overrides_it(monkeypa
     class Recorder:
         def __getitem__(self, grid: tuple[int]) -> Any:
             def launch(*args: Any, **kwargs: Any) -> Any:
-                launches.append((grid[0], kwargs["DIM_BLOCK"], kwargs["num_warps"]))
+                launches.append((grid[0], kwargs["DIM_BLOCK"], kwargs["num_warps"], kwargs["CHUNK"]))
                 return real[grid](*args, **kwargs)
 
             return launch
 
     monkeypatch.setattr(_kernels, "forest_combine_kernel", Recorder())
     batch = make_decode_batch([53, 40, 77], [[0, 9, 3, 0], [5], [0, 12]], queries_per_kv=4, head_dim=64, seed=34)
-    narrow = replace(_small(ForestKernelConfig()), combine_dim_block=16, combine_num_warps=1)
+    narrow = replace(_small(ForestKernelConfig()), combine_dim_block=16, combine_num_warps=1, combine_chunk_cap=2)
     _run(batch, 4, DecodeKnobs(), narrow)
-    _run(batch, 4, DecodeKnobs(combine_dim_block=32, combine_num_warps=2), narrow)
+    _run(batch, 4, DecodeKnobs(combine_dim_block=32, combine_num_warps=2, combine_chunk_cap=4), narrow)
     _run(batch, 4, DecodeKnobs(), _small(ForestKernelConfig()))
     pairs = batch.seq_lens.shape[0] * batch.key_cache.shape[2]
-    assert launches == [(pairs * 4, 16, 1), (pairs * 2, 32, 2), (pairs, 64, 4)]
+    assert launches == [(pairs * 4, 16, 1, 2), (pairs * 2, 32, 2, 4), (pairs, 64, 4, 16)]
 
 
 # Version 3 round 2 (``benchmarks/fca_decode.py --diagnose``): the default rule's two configs and the new split
@@ -277,9 +277,11 @@ def test_default_config_is_a_rule_by_batch_size() -> None:
     many = default_forest_config(128, 8, 132)
     assert (many.prefix_block_n, many.split_passes, many.prefix_waves) == (64, True, 2.0)
     assert default_forest_config(17, 8, 132) == many
-    # Rounds 3 and 4 (2026-12-01): one-warp combine programs over 32-dim slices, dependent launches, in both cases.
+    # Rounds 3, 4 and 7 (2026-12-01): one-warp combine programs over 64-dim halves, 8 partials at a time, and
+    # dependent launches, in both cases.
     for config in (one_wave, many):
-        assert (config.combine_dim_block, config.combine_num_warps, config.dependent_launches) == (32, 1, True)
+        combine = (config.combine_dim_block, config.combine_num_warps, config.combine_chunk_cap)
+        assert (*combine, config.dependent_launches) == (64, 1, 8, True)
     # plan_forest without a config applies the rule (8 multiprocessors on CPU).
     small = make_decode_batch([40], [[3, 4]], seed=32)
     large = make_decode_batch([40, 50], [[3, 4, 5], [1, 2]], seed=33)

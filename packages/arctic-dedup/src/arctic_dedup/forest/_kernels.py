@@ -181,9 +181,6 @@ def _finish_plan(
     work_start_ptr,
     split_tokens_ptr,
     stats_ptr,
-    query_start_ptr,
-    work_items_ptr,
-    member_queries_ptr,
     num_requests,
     block_size,
     min_group_size,
@@ -193,7 +190,6 @@ def _finish_plan(
     prefix_target_items,
     suffix_target_items,
     granularity,
-    max_prefix_work,
     GROUPED: tl.constexpr,
     MEMBERS: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -201,8 +197,6 @@ def _finish_plan(
     requests = tl.arange(0, BLOCK_R)
     in_batch = requests < num_requests
     seq_lens = tl.load(seq_lens_ptr + requests, mask=in_batch, other=0)
-    query_begin = tl.load(query_start_ptr + requests, mask=in_batch, other=0)
-    query_end = tl.load(query_start_ptr + requests + 1, mask=in_batch, other=0)
     if GROUPED:
         # Written by other programs of this launch through L2 (atomics): read around L1.
         leader = tl.load(leader_of_ptr + requests, mask=in_batch, other=0, cache_modifier=".cg")
@@ -230,9 +224,6 @@ def _finish_plan(
         tile = tl.where(grouped, first_tile + rank // MEMBERS, -1)
         slot = tl.where(grouped, rank % MEMBERS, 0)
         tl.store(member_list_ptr + first_member + rank, requests, mask=grouped)
-        # Each member's query range at its place in the member list: prefix items read it without the member id.
-        tl.store(member_queries_ptr + 2 * (first_member + rank), query_begin, mask=grouped)
-        tl.store(member_queries_ptr + 2 * (first_member + rank) + 1, query_end, mask=grouped)
         opens_tile = grouped & (slot == 0)
         tl.store(tile_leader_ptr + tile, leader, mask=opens_tile)
         tl.store(tile_prefix_blocks_ptr + tile, prefix, mask=opens_tile)
@@ -240,12 +231,7 @@ def _finish_plan(
         tl.store(tile_member_count_ptr + tile, tl.minimum(size - rank, MEMBERS), mask=opens_tile)
         num_tiles = tl.sum(group_tiles, 0)
         tl.debug_barrier()
-        # From here the lanes of the prefix owners are tile indices.
-        tile_lanes = requests < num_tiles
-        tile_prefix = tl.load(tile_prefix_blocks_ptr + requests, mask=tile_lanes, other=0)
-        tile_leaders = tl.load(tile_leader_ptr + requests, mask=tile_lanes, other=0)
-        tile_member_starts = tl.load(tile_member_start_ptr + requests, mask=tile_lanes, other=0)
-        tile_member_counts = tl.load(tile_member_count_ptr + requests, mask=tile_lanes, other=0)
+        tile_prefix = tl.load(tile_prefix_blocks_ptr + requests, mask=requests < num_tiles, other=0)
         saved = tl.sum(prefix, 0) - tl.sum(tl.where(is_leader, prefix, 0), 0)
         num_groups = tl.sum(is_leader.to(tl.int32), 0)
         num_grouped = tl.sum(grouped.to(tl.int32), 0)
@@ -255,9 +241,6 @@ def _finish_plan(
         tile = tl.full([BLOCK_R], -1, dtype=tl.int32)
         slot = tl.zeros([BLOCK_R], dtype=tl.int32)
         tile_prefix = tl.zeros([BLOCK_R], dtype=tl.int32)
-        tile_leaders = tile_prefix
-        tile_member_starts = tile_prefix
-        tile_member_counts = tile_prefix
         saved = tl.zeros([], dtype=tl.int32)
         num_groups = tl.zeros([], dtype=tl.int32)
         num_grouped = tl.zeros([], dtype=tl.int32)
@@ -283,37 +266,6 @@ def _finish_plan(
     tl.store(stats_ptr, num_groups)
     tl.store(stats_ptr + 1, num_grouped)
     tl.store(stats_ptr + 2, saved)
-
-    # One 8-field record per work item, so an attention program learns its item in one load. Prefix items (slots
-    # from 0): tile, token range, item, item count, leader, first member, members. Suffix items (slots from
-    # max_prefix_work): request, token range, tile (-1 when ungrouped), item count, query start, query tokens,
-    # sequence length.
-    prefix_first = tl.cumsum(prefix_items, 0) - prefix_items
-    for item in range(0, tl.max(prefix_items, 0)):
-        filled = item < prefix_items
-        start = item * prefix_split
-        record = work_items_ptr + 8 * (prefix_first + item)
-        tl.store(record, requests, mask=filled)
-        tl.store(record + 1, start, mask=filled)
-        tl.store(record + 2, tl.where(item == prefix_items - 1, prefix_tokens, start + prefix_split), mask=filled)
-        tl.store(record + 3, item + tl.zeros([BLOCK_R], dtype=tl.int32), mask=filled)
-        tl.store(record + 4, prefix_items, mask=filled)
-        tl.store(record + 5, tile_leaders, mask=filled)
-        tl.store(record + 6, tile_member_starts, mask=filled)
-        tl.store(record + 7, tile_member_counts, mask=filled)
-    suffix_first = tl.cumsum(suffix_items, 0) - suffix_items
-    for item in range(0, tl.max(suffix_items, 0)):
-        filled = item < suffix_items
-        start = prefix * block_size + item * suffix_split
-        record = work_items_ptr + 8 * (max_prefix_work + suffix_first + item)
-        tl.store(record, requests, mask=filled)
-        tl.store(record + 1, start, mask=filled)
-        tl.store(record + 2, tl.where(item == suffix_items - 1, seq_lens, start + suffix_split), mask=filled)
-        tl.store(record + 3, tile, mask=filled)
-        tl.store(record + 4, suffix_items, mask=filled)
-        tl.store(record + 5, query_begin, mask=filled)
-        tl.store(record + 6, query_end - query_begin, mask=filled)
-        tl.store(record + 7, seq_lens, mask=filled)
 
 
 @triton.jit
@@ -343,8 +295,6 @@ def plan_group_kernel(
     work_start_ptr,
     split_tokens_ptr,
     stats_ptr,
-    work_items_ptr,
-    member_queries_ptr,
     stride_table_row,
     max_blocks,
     num_cache_blocks,
@@ -357,7 +307,6 @@ def plan_group_kernel(
     prefix_target_items,
     suffix_target_items,
     granularity,
-    max_prefix_work,
     MEMBERS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -415,9 +364,6 @@ def plan_group_kernel(
             work_start_ptr,
             split_tokens_ptr,
             stats_ptr,
-            query_start_ptr,
-            work_items_ptr,
-            member_queries_ptr,
             num_requests,
             block_size,
             min_group_size,
@@ -427,7 +373,6 @@ def plan_group_kernel(
             prefix_target_items,
             suffix_target_items,
             granularity,
-            max_prefix_work,
             True,
             MEMBERS,
             BLOCK_R,
@@ -438,8 +383,6 @@ def plan_group_kernel(
 @triton.jit
 def plan_paged_kernel(
     seq_lens_ptr,
-    query_start_ptr,
-    work_items_ptr,
     prefix_blocks_ptr,
     group_leader_ptr,
     tile_of_ptr,
@@ -475,9 +418,6 @@ def plan_paged_kernel(
         work_start_ptr,
         split_tokens_ptr,
         stats_ptr,
-        query_start_ptr,
-        work_items_ptr,
-        seq_lens_ptr,
         num_requests,
         block_size,
         2,
@@ -487,7 +427,6 @@ def plan_paged_kernel(
         1,
         suffix_target_items,
         granularity,
-        0,
         False,
         1,
         BLOCK_R,
@@ -578,25 +517,23 @@ def _finish_rows(m_i, l_i, acc):
 
 
 @triton.jit
-def _field(values, index: tl.constexpr):
-    # One int32 of a work item's 8-field record (already in registers).
-    return tl.sum(tl.where(tl.arange(0, 8) == index, values, 0), 0)
-
-
-@triton.jit
 def _prefix_item(
     q_ptr,
     k_ptr,
     v_ptr,
     block_table_ptr,
-    member_queries_ptr,
+    query_start_ptr,
+    tile_leader_ptr,
+    tile_prefix_blocks_ptr,
+    tile_member_start_ptr,
+    tile_member_count_ptr,
+    member_list_ptr,
+    split_tokens_ptr,
     part_out_ptr,
     part_lse_ptr,
-    token_start,
-    token_end,
-    leader,
-    member_start,
-    member_count,
+    tile,
+    item,
+    item_count,
     work,
     kv_head,
     scale_log2,
@@ -623,15 +560,22 @@ def _prefix_item(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    split_tokens = tl.load(split_tokens_ptr)
+    leader = tl.load(tile_leader_ptr + tile).to(tl.int64)
+    prefix_tokens = tl.load(tile_prefix_blocks_ptr + tile) * PAGE
+    token_start = item * split_tokens
+    token_end = tl.where(item == item_count - 1, prefix_tokens, token_start + split_tokens)
+    member_start = tl.load(tile_member_start_ptr + tile)
+    member_count = tl.load(tile_member_count_ptr + tile)
+
     rows = tl.arange(0, BLOCK_M)
     member_slot = rows // (QMAX * G)
     query_offset = (rows // G) % QMAX
     head = kv_head * G + rows % G
     member_ok = member_slot < member_count
-    # The plan stores each member's query range by its place in the tile: one load, no member-id round trip.
-    queries = member_queries_ptr + 2 * (member_start + member_slot).to(tl.int64)
-    query_begin = tl.load(queries, mask=member_ok, other=0)
-    query_end = tl.load(queries + 1, mask=member_ok, other=0)
+    member = tl.load(member_list_ptr + member_start + member_slot, mask=member_ok, other=0).to(tl.int64)
+    query_begin = tl.load(query_start_ptr + member, mask=member_ok, other=0)
+    query_end = tl.load(query_start_ptr + member + 1, mask=member_ok, other=0)
     row_ok = member_ok & (query_offset < query_end - query_begin)
     token = (query_begin + query_offset).to(tl.int64)
 
@@ -650,7 +594,7 @@ def _prefix_item(
         q,
         k_ptr,
         v_ptr,
-        block_table_ptr + leader.to(tl.int64) * stride_table_row,
+        block_table_ptr + leader * stride_table_row,
         token_start,
         token_end,
         kv_head,
@@ -687,8 +631,13 @@ def _suffix_item(
     k_ptr,
     v_ptr,
     block_table_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    prefix_blocks_ptr,
+    tile_of_ptr,
     slot_in_tile_ptr,
     work_start_ptr,
+    split_tokens_ptr,
     out_ptr,
     lse_ptr,
     part_out_ptr,
@@ -696,13 +645,8 @@ def _suffix_item(
     prefix_part_out_ptr,
     prefix_part_lse_ptr,
     request,
-    token_start,
-    token_end,
-    tile,
+    item,
     item_count,
-    query_begin,
-    query_len,
-    seq_len,
     suffix_work,
     kv_head,
     scale_log2,
@@ -738,6 +682,13 @@ def _suffix_item(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    split_tokens = tl.load(split_tokens_ptr + 1)
+    seq_len = tl.load(seq_lens_ptr + request)
+    query_begin = tl.load(query_start_ptr + request)
+    query_len = tl.load(query_start_ptr + request + 1) - query_begin
+    token_start = tl.load(prefix_blocks_ptr + request) * PAGE + item * split_tokens
+    token_end = tl.where(item == item_count - 1, seq_len, token_start + split_tokens)
+
     rows = tl.arange(0, BLOCK_M)
     query_offset = rows // G
     head = kv_head * G + rows % G
@@ -760,7 +711,7 @@ def _suffix_item(
         q,
         k_ptr,
         v_ptr,
-        block_table_ptr + request.to(tl.int64) * stride_table_row,
+        block_table_ptr + request * stride_table_row,
         token_start,
         token_end,
         kv_head,
@@ -788,6 +739,7 @@ def _suffix_item(
     out, lse = _finish_rows(m_i, l_i, acc)
     direct = item_count == 1
     if HAS_PREFIX:
+        tile = tl.load(tile_of_ptr + request)
         if FUSE:
             # The prefix pass has finished (same stream, launched first): a request whose suffix is this one item
             # merges its tile's prefix partials here, so the combine never sees it.
@@ -883,10 +835,18 @@ def forest_attention_kernel(
     k_ptr,
     v_ptr,
     block_table_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    prefix_blocks_ptr,
+    tile_of_ptr,
     slot_in_tile_ptr,
+    tile_leader_ptr,
+    tile_prefix_blocks_ptr,
+    tile_member_start_ptr,
+    tile_member_count_ptr,
+    member_list_ptr,
     work_start_ptr,
-    work_items_ptr,
-    member_queries_ptr,
+    split_tokens_ptr,
     out_ptr,
     lse_ptr,
     prefix_part_out_ptr,
@@ -914,9 +874,9 @@ def forest_attention_kernel(
     num_requests,
     head_dim,
     num_kv_heads,
-    max_prefix_work,
     HAS_PREFIX: tl.constexpr,
     FUSE: tl.constexpr,
+    OWNERS_BLOCK: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PAGE: tl.constexpr,
@@ -934,21 +894,25 @@ def forest_attention_kernel(
     _follow_previous_launch(PDL)
     # The kv heads of one item are adjacent programs: they read neighbouring bytes of the same cache blocks.
     pid = tl.program_id(0)
-    slot = pid // num_kv_heads
+    work = pid // num_kv_heads
     kv_head = pid % num_kv_heads
-    if PASS == 2:
-        # Suffix pass of a split launch: its programs read the suffix records.
-        slot += max_prefix_work
-    # One 8-field record per work item (prefix items from slot 0, suffix items from max_prefix_work), loaded with the
-    # totals that say which records this plan filled: every program knows its whole item after one round trip.
-    record = tl.load(work_items_ptr + slot.to(tl.int64) * 8 + tl.arange(0, 8))
+    # The owner is the number of owners whose items all end at or before this one: one vector load issued with the
+    # totals (no dependent search chain); padding lanes load past every item.
+    owners = tl.arange(0, OWNERS_BLOCK)
+    ends = tl.load(work_start_ptr + 1 + owners, mask=owners < 2 * num_requests, other=2147483647)
+    total_work = tl.load(work_start_ptr + 2 * num_requests)
     prefix_total = tl.load(work_start_ptr + num_requests)
-    suffix_total = tl.load(work_start_ptr + 2 * num_requests) - prefix_total
-    is_prefix = slot < max_prefix_work
-    valid = tl.where(is_prefix, slot < prefix_total, slot - max_prefix_work < suffix_total)
-    if valid:
-        token_start = _field(record, 1)
-        token_end = _field(record, 2)
+    if PASS == 2:
+        # Suffix pass of a split launch: this launch's programs start after the prefix items.
+        work += prefix_total
+    limit = total_work
+    if PASS == 1:
+        limit = prefix_total
+    if work < limit:
+        owner = tl.sum((ends <= work).to(tl.int32), 0)
+        first = tl.load(work_start_ptr + owner)
+        item = work - first
+        item_count = tl.load(work_start_ptr + owner + 1) - first
         # PASS is a constexpr, so a split launch compiles only its own item kind (its own tiles and shared memory).
         if PASS == 1:
             _prefix_item(
@@ -956,15 +920,19 @@ def forest_attention_kernel(
                 k_ptr,
                 v_ptr,
                 block_table_ptr,
-                member_queries_ptr,
+                query_start_ptr,
+                tile_leader_ptr,
+                tile_prefix_blocks_ptr,
+                tile_member_start_ptr,
+                tile_member_count_ptr,
+                member_list_ptr,
+                split_tokens_ptr,
                 prefix_part_out_ptr,
                 prefix_part_lse_ptr,
-                token_start,
-                token_end,
-                _field(record, 5),
-                _field(record, 6),
-                _field(record, 7),
-                slot,
+                owner,
+                item,
+                item_count,
+                work,
                 kv_head,
                 scale_log2,
                 stride_q_token,
@@ -990,79 +958,26 @@ def forest_attention_kernel(
                 UPCAST,
                 DOT_PRECISION,
             )
-        elif PASS == 2:
-            _suffix_item(
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                block_table_ptr,
-                slot_in_tile_ptr,
-                work_start_ptr,
-                out_ptr,
-                lse_ptr,
-                suffix_part_out_ptr,
-                suffix_part_lse_ptr,
-                prefix_part_out_ptr,
-                prefix_part_lse_ptr,
-                _field(record, 0),
-                token_start,
-                token_end,
-                _field(record, 3),
-                _field(record, 4),
-                _field(record, 5),
-                _field(record, 6),
-                _field(record, 7),
-                slot - max_prefix_work,
-                kv_head,
-                scale_log2,
-                stride_q_token,
-                stride_q_head,
-                stride_q_dim,
-                stride_k_block,
-                stride_k_token,
-                stride_k_head,
-                stride_k_dim,
-                stride_v_block,
-                stride_v_token,
-                stride_v_head,
-                stride_v_dim,
-                stride_table_row,
-                stride_out_token,
-                stride_out_head,
-                stride_out_dim,
-                stride_lse_token,
-                stride_lse_head,
-                head_dim,
-                num_kv_heads,
-                HAS_PREFIX,
-                FUSE,
-                G,
-                QMAX,
-                PAGE,
-                PREFIX_BLOCK_M,
-                SUFFIX_BLOCK_M,
-                ROWS,
-                SUFFIX_BLOCK_N,
-                HEAD_DIM,
-                UPCAST,
-                DOT_PRECISION,
-            )
-        elif HAS_PREFIX:
-            if is_prefix:
+        elif HAS_PREFIX and PASS == 0:
+            if owner < num_requests:
                 _prefix_item(
                     q_ptr,
                     k_ptr,
                     v_ptr,
                     block_table_ptr,
-                    member_queries_ptr,
+                    query_start_ptr,
+                    tile_leader_ptr,
+                    tile_prefix_blocks_ptr,
+                    tile_member_start_ptr,
+                    tile_member_count_ptr,
+                    member_list_ptr,
+                    split_tokens_ptr,
                     prefix_part_out_ptr,
                     prefix_part_lse_ptr,
-                    token_start,
-                    token_end,
-                    _field(record, 5),
-                    _field(record, 6),
-                    _field(record, 7),
-                    slot,
+                    owner,
+                    item,
+                    item_count,
+                    work,
                     kv_head,
                     scale_log2,
                     stride_q_token,
@@ -1094,23 +1009,23 @@ def forest_attention_kernel(
                     k_ptr,
                     v_ptr,
                     block_table_ptr,
+                    query_start_ptr,
+                    seq_lens_ptr,
+                    prefix_blocks_ptr,
+                    tile_of_ptr,
                     slot_in_tile_ptr,
                     work_start_ptr,
+                    split_tokens_ptr,
                     out_ptr,
                     lse_ptr,
                     suffix_part_out_ptr,
                     suffix_part_lse_ptr,
                     prefix_part_out_ptr,
                     prefix_part_lse_ptr,
-                    _field(record, 0),
-                    token_start,
-                    token_end,
-                    _field(record, 3),
-                    _field(record, 4),
-                    _field(record, 5),
-                    _field(record, 6),
-                    _field(record, 7),
-                    slot - max_prefix_work,
+                    (owner - num_requests).to(tl.int64),
+                    item,
+                    item_count,
+                    work - prefix_total,
                     kv_head,
                     scale_log2,
                     stride_q_token,
@@ -1151,23 +1066,23 @@ def forest_attention_kernel(
                 k_ptr,
                 v_ptr,
                 block_table_ptr,
+                query_start_ptr,
+                seq_lens_ptr,
+                prefix_blocks_ptr,
+                tile_of_ptr,
                 slot_in_tile_ptr,
                 work_start_ptr,
+                split_tokens_ptr,
                 out_ptr,
                 lse_ptr,
                 suffix_part_out_ptr,
                 suffix_part_lse_ptr,
                 prefix_part_out_ptr,
                 prefix_part_lse_ptr,
-                _field(record, 0),
-                token_start,
-                token_end,
-                _field(record, 3),
-                _field(record, 4),
-                _field(record, 5),
-                _field(record, 6),
-                _field(record, 7),
-                slot - max_prefix_work,
+                (owner - num_requests).to(tl.int64),
+                item,
+                item_count,
+                work - prefix_total,
                 kv_head,
                 scale_log2,
                 stride_q_token,

@@ -46,7 +46,7 @@ class DecodeKnobs:
             suffix launch (two branches of a CUDA graph when captured); both join before the combine.
         combine_dim_block: head dims per combine program, overriding ``ForestKernelConfig.combine_dim_block``
             (``None``: the config's); a power of two >= 16.
-        combine_chunk_cap: most partials a combine program loads at once.
+        combine_chunk_cap: most partials a combine program loads at once, overriding the config's (``None``).
         combine_num_warps: warps per combine program (1, 2, 4 or 8), overriding the config's (``None``): fewer warps
             per program fit more programs on an SM, so a latency-bound combine takes fewer waves
             (sm90_compile_report.py gives the registers).
@@ -63,7 +63,7 @@ class DecodeKnobs:
     prefix_max_registers: int | None = None
     side_stream: bool = False
     combine_dim_block: int | None = None
-    combine_chunk_cap: int = 16
+    combine_chunk_cap: int | None = None
     combine_num_warps: int | None = None
     chain_passes: bool = False
 
@@ -71,7 +71,8 @@ class DecodeKnobs:
         block = self.combine_dim_block
         if block is not None and (block < 16 or block & (block - 1)):
             raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {block}")
-        if self.combine_chunk_cap < 1 or self.combine_chunk_cap & (self.combine_chunk_cap - 1):
+        cap = self.combine_chunk_cap
+        if cap is not None and (cap < 1 or cap & (cap - 1)):
             raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
         if self.combine_num_warps not in (None, 1, 2, 4, 8):
             raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
@@ -193,8 +194,6 @@ def launch_plan(
     if grouping is None or workspace is None:
         plan_paged_kernel[(1,)](
             seq_lens,
-            query_start_loc,
-            views["work_items"],
             views["prefix_blocks"],
             views["group_leader"],
             views["tile_of"],
@@ -275,8 +274,6 @@ def launch_plan(
         views["work_start"],
         views["split_tokens"],
         views["num_groups"],
-        views["work_items"],
-        views["member_queries"],
         block_table.stride(0),
         max_blocks,
         workspace.num_cache_blocks,
@@ -289,7 +286,6 @@ def launch_plan(
         sizes.prefix_target_items,
         sizes.suffix_target_items,
         config.split_granularity,
-        sizes.max_prefix_work,
         MEMBERS=sizes.members_per_tile,
         BLOCK_R=block_requests,
         BLOCK_E=block_entries,
@@ -370,6 +366,7 @@ def launch_attention(
     v_strides = value_cache.stride()
     q_strides = query.stride()
     prefix_rows = partials.prefix_rows
+    owners_block = _next_power_of_two(max(2, 2 * num_requests))
     pdl = dependent_launches(config, query.device)
     # The suffix pass reads nothing the prefix pass writes: chained, it starts beside the prefix pass's last wave.
     chain = pdl and knobs.chain_passes and not fuse and passes == (1, 2)
@@ -386,10 +383,18 @@ def launch_attention(
             key_cache,
             value_cache,
             table,
+            plan.query_start_loc,
+            plan.seq_lens,
+            plan.prefix_blocks,
+            plan.tile_of,
             plan.slot_in_tile,
+            plan.tile_leader,
+            plan.tile_prefix_blocks,
+            plan.tile_member_start,
+            plan.tile_member_count,
+            plan.member_list,
             plan.work_start,
-            plan.work_items,
-            plan.member_queries,
+            plan.split_tokens,
             out,
             lse,
             partials.out,
@@ -417,9 +422,9 @@ def launch_attention(
             num_requests,
             head_dim,
             num_kv_heads,
-            plan.max_prefix_work,
             HAS_PREFIX=plan.shares,
             FUSE=fuse,
+            OWNERS_BLOCK=owners_block,
             G=group_size,
             QMAX=query_max,
             PAGE=plan.block_size,
@@ -474,7 +479,8 @@ def launch_combine(
     num_warps = knobs.combine_num_warps if knobs.combine_num_warps is not None else config.combine_num_warps
     dim_chunks = head_block // dim_block
     rows = partials.rows
-    chunk = max(1, min(knobs.combine_chunk_cap, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (rows * dim_block))))
+    cap = knobs.combine_chunk_cap if knobs.combine_chunk_cap is not None else config.combine_chunk_cap
+    chunk = max(1, min(cap, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (rows * dim_block))))
     return forest_combine_kernel[(plan.num_requests * plan.num_kv_heads * dim_chunks,)](
         out,
         lse,

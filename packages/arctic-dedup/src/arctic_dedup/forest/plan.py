@@ -85,7 +85,9 @@ class ForestKernelConfig:
             ignored by plans without groups.
         combine_dim_block: head dims merged by one combine program (``None``: the whole head); a power of two >= 16.
         combine_num_warps: warps per combine program (1, 2, 4 or 8). The combine is latency-bound: narrower
-            programs (fewer dims, fewer warps) fit more of them on a multiprocessor, so it takes fewer waves.
+            programs (fewer dims, fewer warps, fewer partials at a time) fit more of them on a multiprocessor, so
+            it takes fewer waves.
+        combine_chunk_cap: most partials a combine program loads at once (a power of two; more take more rounds).
         dependent_launches: programmatic dependent launch on CUDA devices of compute capability 9.0 and newer: each
             launch of the plan and the decode is scheduled while the launch before it on its stream finishes, and
             its programs wait on the device for that launch's results (same results, shorter launch gaps; also
@@ -105,6 +107,7 @@ class ForestKernelConfig:
     fuse_combine: bool = False
     combine_dim_block: int | None = None
     combine_num_warps: int = 4
+    combine_chunk_cap: int = 16
     dependent_launches: bool = False
 
     def __post_init__(self) -> None:
@@ -117,6 +120,8 @@ class ForestKernelConfig:
             raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {block}")
         if self.combine_num_warps not in (1, 2, 4, 8):
             raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
+        if self.combine_chunk_cap < 1 or self.combine_chunk_cap & (self.combine_chunk_cap - 1):
+            raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
         if self.split_granularity < 1:
             raise ValueError(f"split_granularity must be >= 1, got {self.split_granularity}")
         if self.waves <= 0 or self.prefix_waves <= 0:
@@ -131,13 +136,13 @@ def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors:
     + 512) kernels 34.4 us against 40.8 us for the first round's one-wave rule with 64x32 tiles); larger batches get
     64-token prefix tiles in a prefix launch of their own on a side stream (8 groups x 16: 161.0 us against 167.0
     for version 2; in one launch the 112 KB tiles cost the suffix items a third of their slots: 169.0 us). Both
-    merge with one-warp combine programs over 32-dim slices ("v3_combine_w1_d32", 2026-12-01: combine 17.7 -> 7.3
-    us for 8 x 16, 7.7 -> 4.1 us for the single group; the best of four combine shapes in both cases) and use
-    dependent launches where the device has them ("v4_pdl", 2026-12-01: plan 16.1 -> 14.7 / 11.3 -> 9.7 us, whole
-    op 166.4 -> 165.6 / 41.8 -> 40.6 us). ``forest/NOTES.md``, "Version 3", "Round 3" and "Round 4";
-    ``benchmarks/results/fca_decode_diagnose.json``.
+    merge with one-warp combine programs over 64-dim halves, 8 partials at a time ("v7_combine_c8_d64", 2026-12-01:
+    combine 7.3 -> 4.8 us for 8 x 16, 3.5 us for the single group, the best of seven combine shapes; round 3's
+    32-dim slices had taken it from 17.7 and 7.7 us) and use dependent launches where the device has them
+    ("v4_pdl", 2026-12-01: plan 16.1 -> 14.7 / 11.3 -> 9.7 us, whole op 166.4 -> 165.6 / 41.8 -> 40.6 us).
+    ``forest/NOTES.md``, "Version 3" and "Round 3" to "Round 7"; ``benchmarks/results/fca_decode_diagnose.json``.
     """
-    common = {"combine_dim_block": 32, "combine_num_warps": 1, "dependent_launches": True}
+    common = {"combine_dim_block": 64, "combine_num_warps": 1, "combine_chunk_cap": 8, "dependent_launches": True}
     if num_requests * num_kv_heads <= multiprocessors:
         return ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, **common)
     return ForestKernelConfig(prefix_block_n=64, split_passes=True, **common)
@@ -177,11 +182,6 @@ class ForestPlan:
     Work list: ``work_start [2N + 1]``, the first work item of each owner; owners ``0..N-1`` are tiles (prefix items
     of ``split_tokens[0]`` tokens), owners ``N..2N-1`` are requests (suffix items of ``split_tokens[1]`` tokens); a
     remainder under an eighth of a split joins the owner's last item.
-    Work items as records (``work_items [max_prefix_work + max_suffix_work, 8]`` int32; prefix items from row 0,
-    suffix items from row ``max_prefix_work``; rows past the plan's counts are unset): prefix item = (tile, first
-    token, end token, item, items of the tile, leader, first member, members); suffix item = (request, first token,
-    end token, tile or -1, items of the request, first query token, query tokens, sequence length).
-    ``member_queries [N, 2]``: the query token range of ``member_list[i]``.
     Stats (int32 ``[1]`` views): ``num_groups``, ``num_grouped_requests``, ``saved_block_reads`` (per kv head, layer).
     """
 
@@ -198,8 +198,6 @@ class ForestPlan:
     tile_member_count: torch.Tensor
     member_list: torch.Tensor
     work_start: torch.Tensor
-    work_items: torch.Tensor
-    member_queries: torch.Tensor
     split_tokens: torch.Tensor
     num_groups: torch.Tensor
     num_grouped_requests: torch.Tensor
@@ -357,7 +355,7 @@ def _find_groups(
     return leader, prefix, grouped
 
 
-def _plan_buffers(num_requests: int, num_work_items: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _plan_buffers(num_requests: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Every per-step output of the planner as views of one int32 allocation (no kernel launch)."""
     names = (
         "prefix_blocks",
@@ -371,8 +369,7 @@ def _plan_buffers(num_requests: int, num_work_items: int, device: torch.device) 
         "member_list",
     )
     per_request = len(names) * num_requests
-    records = 8 * num_work_items + 2 * num_requests
-    buffer = torch.empty(per_request + 2 * num_requests + 1 + 2 + 3 + records, dtype=torch.int32, device=device)
+    buffer = torch.empty(per_request + 2 * num_requests + 1 + 2 + 3, dtype=torch.int32, device=device)
     views = {name: buffer[i * num_requests : (i + 1) * num_requests] for i, name in enumerate(names)}
     views["work_start"] = buffer[per_request : per_request + 2 * num_requests + 1]
     tail = per_request + 2 * num_requests + 1
@@ -380,9 +377,6 @@ def _plan_buffers(num_requests: int, num_work_items: int, device: torch.device) 
     views["num_groups"] = buffer[tail + 2 : tail + 3]
     views["num_grouped_requests"] = buffer[tail + 3 : tail + 4]
     views["saved_block_reads"] = buffer[tail + 4 : tail + 5]
-    records_start = tail + 5
-    views["work_items"] = buffer[records_start : records_start + 8 * num_work_items].view(num_work_items, 8)
-    views["member_queries"] = buffer[records_start + 8 * num_work_items :].view(num_requests, 2)
     return views
 
 
@@ -399,7 +393,6 @@ def _item_count(lengths: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
 def _fill_torch(
     views: dict[str, torch.Tensor],
     seq: torch.Tensor,
-    starts: torch.Tensor,
     leader: torch.Tensor,
     prefix: torch.Tensor,
     grouped: torch.Tensor,
@@ -454,52 +447,6 @@ def _fill_torch(
     views["num_grouped_requests"].copy_(grouped.sum().reshape(1).to(torch.int32))
     saved = prefix.sum() - torch.where(is_leader, prefix, 0).sum()
     views["saved_block_reads"].copy_(saved.reshape(1).to(torch.int32))
-    items, splits = (prefix_items, suffix_items), (prefix_split, suffix_split)
-    _fill_records(views, seq, starts, prefix, tile, items, splits, sizes.max_prefix_work, block_size)
-
-
-def _fill_records(
-    views: dict[str, torch.Tensor],
-    seq: torch.Tensor,
-    starts: torch.Tensor,
-    prefix: torch.Tensor,
-    tile: torch.Tensor,
-    items: tuple[torch.Tensor, torch.Tensor],
-    splits: tuple[torch.Tensor, torch.Tensor],
-    max_prefix_work: int,
-    block_size: int,
-) -> None:
-    """The work-item records and member query ranges (mirrors the end of ``_finish_plan`` in the kernels)."""
-    device = seq.device
-    prefix_items, suffix_items = items
-    prefix_split, suffix_split = splits
-    starts = starts.to(torch.int64)
-    query_begin, query_len = starts[:-1], starts[1:] - starts[:-1]
-    members = views["member_list"].to(torch.int64)
-    member_count = int(views["num_grouped_requests"][0])
-    views["member_queries"][:member_count, 0] = query_begin[members[:member_count]].to(torch.int32)
-    views["member_queries"][:member_count, 1] = (query_begin + query_len)[members[:member_count]].to(torch.int32)
-    records = views["work_items"]
-
-    def expand(items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        owners = torch.repeat_interleave(torch.arange(items.shape[0], device=device), items)
-        first = torch.cumsum(items, 0) - items
-        return owners, torch.arange(owners.shape[0], device=device) - first[owners]
-
-    tiles, item = expand(prefix_items)
-    count = prefix_items[tiles]
-    tile_tokens = views["tile_prefix_blocks"].to(torch.int64)[tiles] * block_size
-    start = item * prefix_split
-    end = torch.where(item == count - 1, tile_tokens, start + prefix_split)
-    fields = [tiles, start, end, item, count]
-    fields += [views[name].to(torch.int64)[tiles] for name in ("tile_leader", "tile_member_start", "tile_member_count")]
-    records[: tiles.shape[0]] = torch.stack(fields, 1).to(torch.int32)
-    requests, item = expand(suffix_items)
-    count = suffix_items[requests]
-    start = prefix[requests] * block_size + item * suffix_split
-    end = torch.where(item == count - 1, seq[requests], start + suffix_split)
-    fields = [requests, start, end, tile[requests], count, query_begin[requests], query_len[requests], seq[requests]]
-    records[max_prefix_work : max_prefix_work + requests.shape[0]] = torch.stack(fields, 1).to(torch.int32)
 
 
 def _build(
@@ -521,7 +468,7 @@ def _build(
     device = block_table.device
     num_requests = block_table.shape[0]
     sizes = _sizes(num_requests, device, max_query_len, queries_per_kv, num_kv_heads, config, grouping is not None)
-    views = _plan_buffers(num_requests, sizes.max_prefix_work + sizes.max_suffix_work, device)
+    views = _plan_buffers(num_requests, device)
     seq = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     if resolve_backend(backend, block_table) == "triton":
@@ -551,9 +498,7 @@ def _build(
             leader = requests.clone()
             prefix = torch.zeros(num_requests, dtype=torch.int64, device=device)
             grouped = torch.zeros(num_requests, dtype=torch.bool, device=device)
-        _fill_torch(
-            views, seq.to(torch.int64), starts, leader, prefix, grouped, sizes, block_size, config.split_granularity
-        )
+        _fill_torch(views, seq.to(torch.int64), leader, prefix, grouped, sizes, block_size, config.split_granularity)
     return ForestPlan(
         block_table=block_table,
         seq_lens=seq,
