@@ -277,3 +277,17 @@ def test_int64_tables_and_lengths_plan_the_same() -> None:
     narrow_plan, wide_plan = _plan(batch, backend="triton"), _plan(wide, backend="triton")
     for name in ("group_leader", "prefix_blocks", "work_start", "split_tokens"):
         assert torch.equal(getattr(narrow_plan, name), getattr(wide_plan, name)), name
+
+
+def test_batches_past_the_register_gather_limit_plan_like_the_torch_twin() -> None:
+    # Batches padded past 128 requests finish the plan through memory gathers instead of register ones.
+    rng = random.Random(5)
+    prefix_lens = [rng.randint(20, 60) for _ in range(56)]
+    suffix_lens = [[rng.randint(0, 9) for _ in range(rng.choice([1, 1, 3, 7]))] for _ in prefix_lens]
+    batch = make_decode_batch(prefix_lens, suffix_lens, root_blocks=1, shuffle=True, seed=5)
+    assert batch.seq_lens.shape[0] > 128
+    device = _plan(batch, backend="triton", split_granularity=16)
+    host = _plan(batch, backend="torch", split_granularity=16)
+    for name in ("prefix_blocks", "group_leader", "work_start", "split_tokens", "num_groups", "saved_block_reads"):
+        assert torch.equal(getattr(device, name), getattr(host, name)), name
+    _check_invariants(device, batch)
