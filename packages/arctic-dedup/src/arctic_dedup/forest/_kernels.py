@@ -41,8 +41,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LN_2 = tl.constexpr(0.6931471805599453)
-# Batches of up to this many requests (padded) finish their plan with register gathers instead of memory ones.
-GATHER_IN_REGISTERS = tl.constexpr(128)
 
 
 @triton.jit
@@ -130,7 +128,6 @@ def plan_cut_kernel(
     row = block_table_ptr + request.to(tl.int64) * stride_table_row
     best = tl.zeros([], dtype=tl.int64)
     best_depth = tl.zeros([], dtype=tl.int32)
-    best_key = tl.full([], -1, dtype=tl.int32)
     for start in range(0, eligible, BLOCK_E):
         depth = start + tl.arange(0, BLOCK_E)
         valid = depth < eligible
@@ -142,14 +139,10 @@ def plan_cut_kernel(
         chunk_best = tl.max(savings, 0)
         # The first depth reaching the chunk's maximum; a later chunk wins only with a strictly larger saving.
         chunk_depth = tl.min(tl.where(savings == chunk_best, depth, max_blocks), 0)
-        # The block id at that depth, taken from the ids already loaded (no second load of the row).
-        chunk_key = tl.max(tl.where(depth == chunk_depth, ids, -1), 0).to(tl.int32)
-        better = chunk_best > best
-        best_depth = tl.where(better, chunk_depth, best_depth)
-        best_key = tl.where(better, chunk_key, best_key)
+        best_depth = tl.where(chunk_best > best, chunk_depth, best_depth)
         best = tl.maximum(best, chunk_best)
     candidate = best > 0
-    key = tl.where(candidate, best_key, -1)
+    key = tl.load(row + best_depth, mask=candidate, other=-1)
     tl.store(cut_key_ptr + request, tl.where(candidate, key, -1).to(tl.int32))
     # The lowest request index cut at this block leads its group: the slot keeps the largest N - request.
     tl.atomic_max(leader_slot_ptr + key, num_requests - request, mask=candidate, sem="relaxed")
@@ -223,19 +216,11 @@ def _finish_plan(
         # Tiles and member lists are laid out in the order of the leaders' request indices.
         group_tiles = tl.where(is_leader, (size + MEMBERS - 1) // MEMBERS, 0)
         group_members = tl.where(is_leader, size, 0)
-        tiles_before = tl.cumsum(group_tiles, 0) - group_tiles
-        members_before = tl.cumsum(group_members, 0) - group_members
-        if BLOCK_R <= GATHER_IN_REGISTERS:
-            # Each request reads its leader's lane through a [BLOCK_R, BLOCK_R] one-hot sum: no memory round trip.
-            at_leader = leader[:, None] == requests[None, :]
-            first_tile = tl.sum(tl.where(at_leader, tiles_before[None, :], 0), 1)
-            first_member = tl.sum(tl.where(at_leader, members_before[None, :], 0), 1)
-        else:
-            tl.store(first_tile_ptr + requests, tiles_before, mask=in_batch)
-            tl.store(first_member_ptr + requests, members_before, mask=in_batch)
-            tl.debug_barrier()
-            first_tile = tl.load(first_tile_ptr + leader, mask=grouped, other=0)
-            first_member = tl.load(first_member_ptr + leader, mask=grouped, other=0)
+        tl.store(first_tile_ptr + requests, tl.cumsum(group_tiles, 0) - group_tiles, mask=in_batch)
+        tl.store(first_member_ptr + requests, tl.cumsum(group_members, 0) - group_members, mask=in_batch)
+        tl.debug_barrier()
+        first_tile = tl.load(first_tile_ptr + leader, mask=grouped, other=0)
+        first_member = tl.load(first_member_ptr + leader, mask=grouped, other=0)
         tile = tl.where(grouped, first_tile + rank // MEMBERS, -1)
         slot = tl.where(grouped, rank % MEMBERS, 0)
         tl.store(member_list_ptr + first_member + rank, requests, mask=grouped)
@@ -245,13 +230,8 @@ def _finish_plan(
         tl.store(tile_member_start_ptr + tile, first_member + rank, mask=opens_tile)
         tl.store(tile_member_count_ptr + tile, tl.minimum(size - rank, MEMBERS), mask=opens_tile)
         num_tiles = tl.sum(group_tiles, 0)
-        if BLOCK_R <= GATHER_IN_REGISTERS:
-            # Lane t of the prefix owners is tile t: the prefix of the request that opens it.
-            opens_at = opens_tile[None, :] & (tile[None, :] == requests[:, None])
-            tile_prefix = tl.sum(tl.where(opens_at, prefix[None, :], 0), 1)
-        else:
-            tl.debug_barrier()
-            tile_prefix = tl.load(tile_prefix_blocks_ptr + requests, mask=requests < num_tiles, other=0)
+        tl.debug_barrier()
+        tile_prefix = tl.load(tile_prefix_blocks_ptr + requests, mask=requests < num_tiles, other=0)
         saved = tl.sum(prefix, 0) - tl.sum(tl.where(is_leader, prefix, 0), 0)
         num_groups = tl.sum(is_leader.to(tl.int32), 0)
         num_grouped = tl.sum(grouped.to(tl.int32), 0)
