@@ -17,7 +17,7 @@ graph and never stalls the host. On CPU builds the same plan is built with plain
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -142,10 +142,11 @@ def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors:
     ("v4_pdl", 2026-12-01: plan 16.1 -> 14.7 / 11.3 -> 9.7 us, whole op 166.4 -> 165.6 / 41.8 -> 40.6 us).
     ``forest/NOTES.md``, "Version 3" and "Round 3" to "Round 7"; ``benchmarks/results/fca_decode_diagnose.json``.
     """
-    common = {"combine_dim_block": 64, "combine_num_warps": 1, "combine_chunk_cap": 8, "dependent_launches": True}
     if num_requests * num_kv_heads <= multiprocessors:
-        return ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, **common)
-    return ForestKernelConfig(prefix_block_n=64, split_passes=True, **common)
+        tiles = ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0)
+    else:
+        tiles = ForestKernelConfig(prefix_block_n=64, split_passes=True)
+    return replace(tiles, combine_dim_block=64, combine_num_warps=1, combine_chunk_cap=8, dependent_launches=True)
 
 
 class ForestWorkspace:
