@@ -39,6 +39,8 @@
 #                  (throughput, memory, warp stalls, occupancy; fca_ncu.log)  (~2 min)
 #   fca-ncu-single the single group's attention launch and its per-request kernel under Nsight Compute
 #                  (fca_ncu_single.log)  (~1 min)
+#   fca-ws-probe   a warp-specialized TMA loop over the single group's prefix against the forest prefix pass
+#                  (fca_ws_probe.json)  (~1 min)
 #   fca-ncu-plan   the planner's launches for RL-8x16 and the single group under Nsight Compute (each kernel's
 #                  duration; fca_ncu_plan.log)  (~1 min)
 #   fused-kernels  the hybrid's fused norms and conv against transformers' torch code  (~1 min)
@@ -123,6 +125,7 @@ for stage in "$@"; do
         --section Occupancy --section SchedulerStats --section LaunchStats \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 benchmarks/fca_ncu.py --rounds 1 ;;
+    fca-ws-probe) run fca_ws_probe 150 python3 benchmarks/fca_ws_probe.py --out "$out" ;;
     fca-ncu-single)
       ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
       run fca_ncu_single 150 "$ncu_bin" --clock-control none -k regex:forest_attention_kernel --launch-skip 2 \
