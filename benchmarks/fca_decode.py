@@ -1160,7 +1160,7 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
     for diagnosis in diagnoses:
         name = diagnosis.case.name
         timed = sorted((r for r in results[name] if "kernels_us" in r), key=lambda r: r["kernels_us"])
-        always = ("v5_default", "v6_w8_r128", "v6_prefix_w8_r128")
+        always = ("v2", "v5_default")
         for result in [r for r in timed if r["variant"] in always] + [
             r for r in timed[:2] if r["variant"] not in always
         ]:

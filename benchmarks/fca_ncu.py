@@ -37,11 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fca_decode import H200, SMOKE, Shape, _forest_plan, _paged_plan, pass_bytes
+from fca_decode import H200, SMOKE, Case, Shape, _forest_plan, _paged_plan, pass_bytes
 
-from arctic_dedup.forest import ForestKernelConfig, ForestWorkspace, forest_decode
+from arctic_dedup.forest import ForestKernelConfig, forest_decode
 from arctic_dedup.forest._launch import allocate_partials, launch_attention
-from arctic_dedup.forest.testing import make_decode_batch
 
 
 def _timed(run: Callable[[], object], device: str) -> float:
@@ -79,21 +78,9 @@ def main() -> None:
     prompt, groups, samples, response = (64, 2, 3, 16) if args.smoke else (8192, 8, 16, 512)
     if args.single_group:
         groups = 1
-    batch = make_decode_batch(
-        [prompt] * groups,
-        [[response] * samples] * groups,
-        block_size=shape.block,
-        num_kv_heads=shape.heads_kv,
-        queries_per_kv=shape.queries_per_kv,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-        device=shape.device,
-        shuffle=False,
-        seed=0,
-        spare_blocks=0,
-    )
+    case = Case("rl8x16", [prompt] * groups, [[response] * samples] * groups, False, shape, copies=1)
+    batch, workspace = case.batches[0], case.workspaces[0]
     scale = shape.head_dim**-0.5
-    workspace = ForestWorkspace(batch.key_cache.shape[0], shape.device)
     # plan_forest's own rule picks the tiles (config None), as forest_decode's users get them
     forest = _forest_plan(batch, shape, None, workspace)
     print(f"forest plan config: {forest.config}", flush=True)
@@ -134,22 +121,11 @@ def _plans(shape: Shape, rounds: int, smoke: bool) -> None:
     """Plan RL-8x16 and the single group (each with its default-rule config), synchronized, ``rounds`` times."""
     prompt, groups, samples, response = (64, 2, 3, 16) if smoke else (8192, 8, 16, 512)
     for label, group_count in (("rl8x16", groups), ("single group", 1)):
-        batch = make_decode_batch(
-            [prompt] * group_count,
-            [[response] * samples] * group_count,
-            block_size=shape.block,
-            num_kv_heads=shape.heads_kv,
-            queries_per_kv=shape.queries_per_kv,
-            head_dim=shape.head_dim,
-            dtype=shape.dtype,
-            device=shape.device,
-            seed=0,
-            spare_blocks=0,
-        )
-        workspace = ForestWorkspace(batch.key_cache.shape[0], shape.device)
-        run = partial(_forest_plan, batch, shape, None, workspace)
+        case = Case(label, [prompt] * group_count, [[response] * samples] * group_count, False, shape, copies=1)
+        batch = case.batches[0]
+        run = partial(_forest_plan, batch, shape, None, case.workspaces[0])
         times = [_timed(run, shape.device) for _ in range(rounds + 1)]
-        plan = _forest_plan(batch, shape, None, workspace)
+        plan = _forest_plan(batch, shape, None, case.workspaces[0])
         print(
             f"{label}: {batch.seq_lens.shape[0]} requests, {int(plan.num_groups[0])} groups, config {plan.config}; "
             f"{statistics.median(times[1:]):.1f} us per synchronized plan (launch overhead included)",

@@ -28,11 +28,11 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fca_decode import H200, _forest_plan, _graph_time_us, write_results
+from fca_decode import H200, Case, _forest_plan, _graph_time_us, write_results
 
 from arctic_dedup.forest import ForestKernelConfig, ForestWorkspace
 from arctic_dedup.forest._launch import allocate_partials, launch_attention
-from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
+from arctic_dedup.forest.testing import DecodeBatch
 
 COPIES = 4
 SPLITS = 16
@@ -78,22 +78,6 @@ def _prefix_probe_kernel(
     base = (split * num_kv_heads + kv_head) * BLOCK_M + rows
     tl.store(part_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None])
     tl.store(part_lse_ptr + base, (m_i + tl.log2(l_i)) * 0.6931471805599453)
-
-
-def _batch(seed: int) -> DecodeBatch:
-    shape = H200
-    return make_decode_batch(
-        [8192],
-        [[512] * 16],
-        block_size=shape.block,
-        num_kv_heads=shape.heads_kv,
-        queries_per_kv=shape.queries_per_kv,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-        device="cuda",
-        seed=seed,
-        spare_blocks=0,
-    )
 
 
 class _Probe:
@@ -184,7 +168,8 @@ def main() -> None:
         sys.exit("fca_ws_probe.py needs a CUDA GPU (Hopper: TMA and warp specialization)")
     scale = H200.head_dim**-0.5
     config = ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, split_passes=True)
-    probes = [_Probe(_batch(seed), config) for seed in range(COPIES)]
+    case = Case("single_group_16x8704", [8192], [[512] * 16], False, H200, copies=COPIES)
+    probes = [_Probe(batch, config) for batch in case.batches]
     prefix_bytes = probes[0].prefix_pages * H200.block * H200.heads_kv * H200.head_dim * 2 * 2
     per_graph = 8
     rows: list[dict[str, Any]] = []

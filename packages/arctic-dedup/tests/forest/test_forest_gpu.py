@@ -282,6 +282,8 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
     # three layers' decodes back to back on one stream, the plan and every layer reading the one before it.
     from dataclasses import replace
 
+    from test_forest_decode import _plan
+
     from arctic_dedup.forest._launch import DecodeKnobs, launch_forest_decode
 
     rng = random.Random(21)
@@ -303,22 +305,11 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
     config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
     config = replace(config, split_passes=variant != "one_launch")
     knobs = DecodeKnobs(chain_passes=variant == "chained_passes")
-    batch = first
     outs = [torch.empty_like(layer.query) for layer in layers]
     lses = [torch.empty(layer.query.shape[:2], device="cuda") for layer in layers]
 
     def step() -> None:
-        plan = plan_forest(
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start_loc,
-            block_size=16,
-            num_cache_blocks=batch.key_cache.shape[0],
-            max_query_len=1,
-            queries_per_kv=4,
-            num_kv_heads=2,
-            config=config,
-        )
+        plan = _plan(first, 4, config)
         for layer, out, lse in zip(layers, outs, lses, strict=True):
             launch_forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1, out, lse, knobs)
 
