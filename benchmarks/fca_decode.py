@@ -37,6 +37,7 @@ import json
 import math
 import random
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -1194,6 +1195,59 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
     print(f"diagnosis done in {summary['seconds']:.0f} s | wrote {path}", flush=True)
 
 
+def _gpu_state() -> str:
+    """The SM and memory clocks, power and temperature nvidia-smi reports now (empty where it is missing)."""
+    query = "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu"
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip()
+
+
+def _paged_order(args: argparse.Namespace, out_dir: Path) -> None:
+    """The open question of the main runs: on no sharing, the per-request kernel with one fixed plan
+    ("paged_kernels") came out 9-15% slower than with its plan rebuilt before every call ("paged"), though the
+    tuning had timed the same config at the paged rate. Both, alternating, three rounds each, with and without
+    dependent launches, with the clocks and power read before every timing."""
+    shape = SMOKE if args.smoke else H200
+    specs = _cases(shape, args.smoke)
+    name = "no_share_128x8704"
+    case = Case(name, *specs[name], shape=shape)
+    repeats = 2 if args.smoke else 15
+    # The main benchmark's tuned per-request config (fca_decode.json at f8d3556), then the same without PDL.
+    tuned = replace(ForestKernelConfig(), waves=4.0, dependent_launches=True)
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    for dependent in (True, False):
+        config = replace(tuned, dependent_launches=dependent)
+        for round_index in range(3):
+            for what in ("paged_kernels", "paged", "forest_kernels", "forest"):
+                state = _gpu_state()
+                us = case.time(what, config if what.startswith("paged") else None, repeats)
+                rows.append(
+                    {
+                        "case": name,
+                        "what": what,
+                        "dependent_launches": dependent,
+                        "round": round_index,
+                        "us": us,
+                        "gpu_before": state,
+                    }
+                )
+                print(f"{name} {what} dependent={dependent} round {round_index}: {us:.1f} us [{state}]", flush=True)
+    case.free()
+    summary = {"seconds": time.time() - started, "repeats": repeats, "per_graph": CALLS_PER_GRAPH}
+    for what in ("paged_kernels", "paged", "forest_kernels", "forest"):
+        for dependent in (True, False):
+            times = [r["us"] for r in rows if r["what"] == what and r["dependent_launches"] == dependent]
+            summary[f"{what}_{'pdl' if dependent else 'plain'}_us"] = times
+    path = write_results(out_dir, "fca_decode_paged_order", summary, rows)
+    print(f"paged order done in {summary['seconds']:.0f} s | wrote {path}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: $OUT or benchmarks/results)")
@@ -1206,10 +1260,18 @@ def main() -> None:
         "--jobs", type=int, default=None, help="--diagnose: precompiling processes (default 16; 0 none)"
     )
     parser.add_argument("--budget-s", type=float, default=170.0, help="--diagnose: skip variants after this")
+    parser.add_argument(
+        "--paged-order", action="store_true", help="no sharing: fixed vs rebuilt per-request plan, alternating"
+    )
     args = parser.parse_args()
     if args.jobs is None:
         args.jobs = 0 if args.smoke else 16
     out_dir = args.out or default_out_dir()
+    if args.paged_order:
+        if not args.smoke and not torch.cuda.is_available():
+            sys.exit("--paged-order needs a CUDA GPU (or --smoke)")
+        _paged_order(args, out_dir)
+        return
     if args.diagnose:
         if not args.smoke and not torch.cuda.is_available():
             sys.exit("--diagnose needs a CUDA GPU (or --smoke)")

@@ -33,7 +33,9 @@
 #   tree-sdpa-rule sdpa vs Flex on many small trees, 4K-token trees and a trie (auto's rule)  (~3 min)
 #   tree-sweep     tree-attention backward variants                      (~2 min)
 #   fca-decode     the forest decode benchmark                           (~3 min)
-#   fca-diagnose   forest decode diagnosis                               (~3 min)
+#   fca-diagnose   forest decode diagnosis (ARCTIC_FCA_ONLY=v5_default,...: only those variants)  (~3 min)
+#   fca-paged-order  no sharing: the per-request kernel with a fixed vs a rebuilt plan, alternating, with and
+#                  without dependent launches, clocks and power logged (fca_decode_paged_order.json)  (~1 min)
 #   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
 #   fca-ncu        RL-8x16's prefix pass, suffix pass and per-request kernel alone: timed, then under Nsight Compute
 #                  (throughput, memory, warp stalls, occupancy; fca_ncu.log)  (~2 min)
@@ -115,7 +117,9 @@ for stage in "$@"; do
     tree-sdpa-rule) run tree_sdpa_rule 240 python3 benchmarks/tree_attention.py --sdpa-rule --out "$out" ;;
     fca-decode) run fca_decode 240 python3 benchmarks/fca_decode.py --out "$out" ;;
     tree-sweep) run tree_sweep 240 python3 benchmarks/tree_attention.py --bwd-sweep --out "$out" ;;
-    fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" ;;
+    fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" \
+      ${ARCTIC_FCA_ONLY:+--only "$ARCTIC_FCA_ONLY"} ;;
+    fca-paged-order) run fca_paged_order 150 python3 benchmarks/fca_decode.py --paged-order --out "$out" ;;
     forest-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run forest_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-dedup/tests/forest/test_forest_gpu.py ;;
     fca-ncu) run fca_passes 120 python3 benchmarks/fca_ncu.py --rounds 5
