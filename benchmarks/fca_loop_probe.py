@@ -161,6 +161,27 @@ SHAPES = (
     ProbeShape("single group suffix (16x64)", 16, 64, 16, 512, 3, AHEAD),
     ProbeShape("single group suffix, 4 stages (16x64)", 16, 64, 16, 512, 4, AHEAD),
 )
+# --sweep: time = fixed cost + per-step cost? One program per SM (16 items x 8 kv heads), tokens per item swept.
+_ONE_PER_SM = tuple(
+    ProbeShape(
+        f"sweep {rows}x{block_n} {stages} stages, 128 programs x {tokens} tokens",
+        rows,
+        block_n,
+        16,
+        tokens,
+        stages,
+        AHEAD,
+    )
+    for rows, block_n in ((64, 64), (16, 32))
+    for stages in (2, 3)
+    for tokens in (64, 256, 512, 1024, 2048, 4096)
+)
+SWEEP_SHAPES = (
+    *_ONE_PER_SM,
+    ProbeShape("sweep 64x64 3 stages, 256 programs x 512 tokens (2 per SM)", 64, 64, 32, 512, 3, AHEAD),
+    ProbeShape("sweep 16x32 3 stages, 256 programs x 512 tokens (2 per SM)", 16, 32, 32, 512, 3, AHEAD),
+    ProbeShape("sweep 16x32 3 stages, 512 programs x 512 tokens (4 per SM)", 16, 32, 64, 512, 3, AHEAD),
+)
 SMOKE_SHAPES = (ProbeShape("smoke 16x16", 16, 16, 2, 128), ProbeShape("smoke 16x32", 16, 32, 3, 256, 4))
 
 
@@ -262,6 +283,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: $OUT or benchmarks/results)")
     parser.add_argument("--smoke", action="store_true", help="CPU: check every mode against torch on tiny shapes")
+    parser.add_argument(
+        "--sweep", action="store_true", help="one program per SM, tokens per item swept (fixed vs step)"
+    )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -269,7 +293,7 @@ def main() -> None:
     started = time.time()
     heads, head_dim, page = (2, 32, 16) if args.smoke else (8, 128, 16)
     rows: list[dict[str, Any]] = []
-    for shape in SMOKE_SHAPES if args.smoke else SHAPES:
+    for shape in SMOKE_SHAPES if args.smoke else (SWEEP_SHAPES if args.sweep else SHAPES):
         setup = Setup(shape, heads, head_dim, page, 1 if args.smoke else 4, device)
         for mode_name in shape.modes:
             mode = MODES[mode_name]
@@ -292,7 +316,9 @@ def main() -> None:
     bad = [row for row in rows if not row["max_abs_error"] < (2e-2 if device == "cuda" else 1e-4)]
     summary = {"seconds": time.time() - started, "ok": not bad}
     print_table(rows, ["shape", "ids", "stages", "us", "MB", "TBps", "registers", "shared_KB", "max_abs_error"])
-    path = write_results(args.out or default_out_dir(), "fca_loop_probe", summary, rows)
+    path = write_results(
+        args.out or default_out_dir(), "fca_loop_probe_sweep" if args.sweep else "fca_loop_probe", summary, rows
+    )
     print(f"{'ok' if not bad else 'FAILED'} in {summary['seconds']:.0f} s | wrote {path}", flush=True)
     if bad:
         sys.exit(1)
