@@ -594,7 +594,31 @@ def _variants() -> list[Variant]:
     deep = replace(base, num_stages=5, split_passes=True)
     fused = replace(p64_s64, split_passes=False, fuse_combine=True)
     w8 = (("num_warps", 8),)
+    pw1 = (("prefix_waves", 1.0),)
     return [
+        # Round 10 (predictions in forest/NOTES.md): one RL-8x16 prefix program per SM, suffix programs beside it.
+        Variant("v10_pw1", "the default rule with prefix_waves 1 (one prefix program per SM)", None, rule_changes=pw1),
+        Variant(
+            "v10_pw1_chain",
+            "v10_pw1 with both passes on one stream, the suffix pass after every prefix program has started",
+            None,
+            DecodeKnobs(chain_passes=True),
+            rule_changes=pw1,
+        ),
+        Variant(
+            "v10_pw1_ps4",
+            "v10_pw1 with 4 stages for the prefix pass (144 KB)",
+            None,
+            DecodeKnobs(prefix_num_stages=4),
+            rule_changes=pw1,
+        ),
+        Variant(
+            "v10_pw1_ps4_chain",
+            "v10_pw1_ps4 with both passes on one stream",
+            None,
+            DecodeKnobs(prefix_num_stages=4, chain_passes=True),
+            rule_changes=pw1,
+        ),
         # Round 7 (predictions in forest/NOTES.md): combine programs sized to fit one wave (sm90_compile_report
         # registers: 1 warp, 8 partials at a time, 64 dims: 118 registers, 17 per SM, 2048 RL-8x16 programs).
         Variant(

@@ -167,6 +167,8 @@ def _finish_plan(
     rank_of_ptr,
     group_min_ptr,
     group_count_ptr,
+    first_tile_ptr,
+    first_member_ptr,
     prefix_blocks_ptr,
     group_leader_ptr,
     tile_of_ptr,
@@ -196,15 +198,12 @@ def _finish_plan(
     in_batch = requests < num_requests
     seq_lens = tl.load(seq_lens_ptr + requests, mask=in_batch, other=0)
     if GROUPED:
-        # Written by other programs of this launch through L2 (atomics): read around L1, all in one round trip; the
-        # rest of the step gathers across lanes in registers (tl.gather), never through memory.
+        # Written by other programs of this launch through L2 (atomics): read around L1.
         leader = tl.load(leader_of_ptr + requests, mask=in_batch, other=0, cache_modifier=".cg")
         rank = tl.load(rank_of_ptr + requests, mask=in_batch, other=-1, cache_modifier=".cg")
-        group_common = tl.load(group_min_ptr + requests, mask=in_batch, other=0, cache_modifier=".cg")
-        group_size = tl.load(group_count_ptr + requests, mask=in_batch, other=0, cache_modifier=".cg")
         candidate = in_batch & (rank >= 0)
-        common = tl.where(candidate, tl.gather(group_common, leader, 0), 0)
-        size = tl.where(candidate, tl.gather(group_size, leader, 0), 0)
+        common = tl.load(group_min_ptr + leader, mask=candidate, other=0, cache_modifier=".cg")
+        size = tl.load(group_count_ptr + leader, mask=candidate, other=0, cache_modifier=".cg")
         grouped = candidate & (size >= min_group_size) & (common >= min_prefix_blocks)
         is_leader = grouped & (leader == requests)
         num_groups = tl.sum(is_leader.to(tl.int32), 0)
@@ -214,13 +213,15 @@ def _finish_plan(
         is_leader = is_leader & keep
         leader = tl.where(grouped, leader, requests)
         prefix = tl.where(grouped, common, 0)
-        # Tiles, member lists and prefix work items are laid out in the order of the leaders' request indices.
+        # Tiles and member lists are laid out in the order of the leaders' request indices.
         group_tiles = tl.where(is_leader, (size + MEMBERS - 1) // MEMBERS, 0)
         group_members = tl.where(is_leader, size, 0)
-        first_tile = tl.gather(tl.cumsum(group_tiles, 0) - group_tiles, leader, 0)
-        first_member = tl.gather(tl.cumsum(group_members, 0) - group_members, leader, 0)
-        tile_in_group = rank // MEMBERS
-        tile = tl.where(grouped, first_tile + tile_in_group, -1)
+        tl.store(first_tile_ptr + requests, tl.cumsum(group_tiles, 0) - group_tiles, mask=in_batch)
+        tl.store(first_member_ptr + requests, tl.cumsum(group_members, 0) - group_members, mask=in_batch)
+        tl.debug_barrier()
+        first_tile = tl.load(first_tile_ptr + leader, mask=grouped, other=0)
+        first_member = tl.load(first_member_ptr + leader, mask=grouped, other=0)
+        tile = tl.where(grouped, first_tile + rank // MEMBERS, -1)
         slot = tl.where(grouped, rank % MEMBERS, 0)
         tl.store(member_list_ptr + first_member + rank, requests, mask=grouped)
         opens_tile = grouped & (slot == 0)
@@ -229,15 +230,8 @@ def _finish_plan(
         tl.store(tile_member_start_ptr + tile, first_member + rank, mask=opens_tile)
         tl.store(tile_member_count_ptr + tile, tl.minimum(size - rank, MEMBERS), mask=opens_tile)
         num_tiles = tl.sum(group_tiles, 0)
-        # Every tile of a group reads the group's prefix: the split and each tile's items follow from the leaders.
-        prefix_tokens = prefix * block_size
-        prefix_split = _split_tokens(tl.sum(prefix_tokens * group_tiles, 0), prefix_target_items, granularity)
-        tile_items = _item_count(prefix_tokens, prefix_split)
-        group_items = tl.where(is_leader, tile_items * group_tiles, 0)
-        group_first_item = tl.gather(tl.cumsum(group_items, 0) - group_items, leader, 0)
-        prefix_total = tl.sum(group_items, 0)
-        tl.store(work_start_ptr + 1 + tile, group_first_item + (tile_in_group + 1) * tile_items, mask=opens_tile)
-        tl.store(work_start_ptr + 1 + requests, prefix_total, mask=in_batch & (requests >= num_tiles))
+        tl.debug_barrier()
+        tile_prefix = tl.load(tile_prefix_blocks_ptr + requests, mask=requests < num_tiles, other=0)
         saved = tl.sum(prefix, 0) - tl.sum(tl.where(is_leader, prefix, 0), 0)
         num_groups = tl.sum(is_leader.to(tl.int32), 0)
         num_grouped = tl.sum(grouped.to(tl.int32), 0)
@@ -246,9 +240,7 @@ def _finish_plan(
         prefix = tl.zeros([BLOCK_R], dtype=tl.int32)
         tile = tl.full([BLOCK_R], -1, dtype=tl.int32)
         slot = tl.zeros([BLOCK_R], dtype=tl.int32)
-        prefix_split = _split_tokens(tl.zeros([], dtype=tl.int32), prefix_target_items, granularity)
-        prefix_total = tl.zeros([], dtype=tl.int32)
-        tl.store(work_start_ptr + 1 + requests, prefix_total, mask=in_batch)
+        tile_prefix = tl.zeros([BLOCK_R], dtype=tl.int32)
         saved = tl.zeros([], dtype=tl.int32)
         num_groups = tl.zeros([], dtype=tl.int32)
         num_grouped = tl.zeros([], dtype=tl.int32)
@@ -259,9 +251,14 @@ def _finish_plan(
     tl.store(slot_in_tile_ptr + requests, slot, mask=in_batch)
 
     # Work items: owners 0..N-1 are tiles (prefix splits), owners N..2N-1 are requests (suffix splits).
+    prefix_tokens = tile_prefix * block_size
     suffix_tokens = tl.where(in_batch, tl.maximum(seq_lens - prefix * block_size, 0), 0)
+    prefix_split = _split_tokens(tl.sum(prefix_tokens, 0), prefix_target_items, granularity)
     suffix_split = _split_tokens(tl.sum(suffix_tokens, 0), suffix_target_items, granularity)
+    prefix_items = _item_count(prefix_tokens, prefix_split)
     suffix_items = _item_count(suffix_tokens, suffix_split)
+    prefix_total = tl.sum(prefix_items, 0)
+    tl.store(work_start_ptr + 1 + requests, tl.cumsum(prefix_items, 0), mask=in_batch)
     tl.store(work_start_ptr + 1 + num_requests + requests, prefix_total + tl.cumsum(suffix_items, 0), mask=in_batch)
     tl.store(work_start_ptr, 0)
     tl.store(split_tokens_ptr, prefix_split)
@@ -284,6 +281,8 @@ def plan_group_kernel(
     rank_of_ptr,
     group_min_ptr,
     group_count_ptr,
+    first_tile_ptr,
+    first_member_ptr,
     prefix_blocks_ptr,
     group_leader_ptr,
     tile_of_ptr,
@@ -328,10 +327,8 @@ def plan_group_kernel(
         valid = depth < eligible
         ids = tl.load(row + depth, mask=valid, other=-1)
         known = valid & (ids >= 0) & (ids < num_cache_blocks)
-        # Masked by the request's own eligible blocks (known first), not the leader's: the leader's row is as wide,
-        # and the load need not wait for the leader's lengths.
-        leader_ids = tl.load(leader_row + depth, mask=valid, other=-1)
         compared = depth < limit
+        leader_ids = tl.load(leader_row + depth, mask=compared, other=-1)
         common = tl.minimum(common, tl.min(tl.where(compared & ~(known & (ids == leader_ids)), depth, limit), 0))
         # The cut pass (the only reader of the histogram) has finished: clear this row's entries for the next step.
         tl.store(counts_ptr + ids, 0, mask=known)
@@ -353,6 +350,8 @@ def plan_group_kernel(
             rank_of_ptr,
             group_min_ptr,
             group_count_ptr,
+            first_tile_ptr,
+            first_member_ptr,
             prefix_blocks_ptr,
             group_leader_ptr,
             tile_of_ptr,
@@ -400,6 +399,8 @@ def plan_paged_kernel(
 ):
     _follow_previous_launch(PDL)
     _finish_plan(
+        seq_lens_ptr,
+        seq_lens_ptr,
         seq_lens_ptr,
         seq_lens_ptr,
         seq_lens_ptr,

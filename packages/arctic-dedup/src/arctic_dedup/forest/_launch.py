@@ -214,8 +214,8 @@ def launch_plan(
         block_table = block_table.contiguous()
     max_blocks = block_table.shape[1]
     block_entries = min(1024, _next_power_of_two(max(16, max_blocks)))
-    scratch = torch.empty(5 * num_requests, dtype=torch.int32, device=block_table.device)
-    cut_key, leader_of, rank_of, group_min, group_count = scratch.view(5, num_requests)
+    scratch = torch.empty(7 * num_requests, dtype=torch.int32, device=block_table.device)
+    cut_key, leader_of, rank_of, group_min, group_count, first_tile, first_member = scratch.view(7, num_requests)
     grid = (num_requests,)
     plan_count_kernel[grid](
         block_table,
@@ -260,6 +260,8 @@ def launch_plan(
         rank_of,
         group_min,
         group_count,
+        first_tile,
+        first_member,
         views["prefix_blocks"],
         views["group_leader"],
         views["tile_of"],
