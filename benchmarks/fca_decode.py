@@ -457,12 +457,20 @@ def _tune(
 def _measure(
     case: Case, config: ForestKernelConfig | None, paged_config: ForestKernelConfig, repeats: int, copy_tbps: float
 ) -> dict[str, Any]:
-    forest_us = case.time("forest", config, repeats)
-    kernels_us = case.time("forest_kernels", config, repeats)
-    plan_us = case.time("plan", config, repeats)
-    paged_us = case.time("paged", paged_config, repeats)
-    paged_kernels_us = case.time("paged_kernels", paged_config, repeats)
-    paged_plan_us = case.time("paged_plan", paged_config, repeats)
+    # The clocks, power and temperature before each timing (the no-sharing per-request rows once differed by 9-15%
+    # between two timings of the same kernel in this sequence, though not when timed alone: --paged-order).
+    states: dict[str, str] = {}
+
+    def timed(what: str, chosen: ForestKernelConfig | None) -> float:
+        states[what] = _gpu_state() if case.shape.device == "cuda" else ""
+        return case.time(what, chosen, repeats)
+
+    forest_us = timed("forest", config)
+    kernels_us = timed("forest_kernels", config)
+    plan_us = timed("plan", config)
+    paged_us = timed("paged", paged_config)
+    paged_kernels_us = timed("paged_kernels", paged_config)
+    paged_plan_us = timed("paged_plan", paged_config)
     amortized_us = kernels_us + plan_us / LAYERS
     paged_amortized_us = paged_kernels_us + paged_plan_us / LAYERS
     ideal = case.total_bytes / case.unique_bytes
@@ -490,6 +498,7 @@ def _measure(
         "dram_bound_speedup": paged_amortized_us / dram_bound_us,
         "of_ideal": paged_us / forest_us / ideal,
         "of_ideal_amortized": paged_amortized_us / amortized_us / ideal,
+        "gpu_before": states,
     }
 
 
