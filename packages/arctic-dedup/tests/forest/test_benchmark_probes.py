@@ -1,0 +1,34 @@
+"""The forest decode probes in ``benchmarks/`` run their CPU dry runs (Triton interpreter) and check themselves
+against torch, so a probe whose numbers are committed keeps computing what it claims to time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[4] / "benchmarks"
+
+
+@pytest.mark.skipif(not (BENCHMARKS / "fca_loop_probe.py").exists(), reason="needs the repository's benchmarks/")
+def test_loop_probe_smoke_matches_torch(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fca_loop_probe.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "fca_loop_probe.json").read_text())
+    rows = result["rows"]
+    # Every id source on every smoke shape, each within fp32 rounding of plain torch attention.
+    assert {row["ids"] for row in rows} == {"table_ahead", "table_chunk", "hashed", "contiguous"}
+    assert len(rows) == 8
+    assert all(row["max_abs_error"] < 1e-4 for row in rows), rows
+    assert result["summary"]["ok"]
