@@ -437,21 +437,11 @@ def plan_paged_kernel(
 
 
 @triton.jit
-def _first_pages(block_row_ptr, token_start, token_end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The first step's page ids. Callers issue this load before the query's: Triton stages the query in shared
-    # memory before the loop's prologue, so an id load inside the prologue would wait for the query first and put
-    # one more round trip before the first K/V copy (sm_90 TTGIR).
-    tokens = token_start + tl.arange(0, BLOCK_N)
-    return tl.load(block_row_ptr + tokens // PAGE, mask=tokens < token_end, other=0)
-
-
-@triton.jit
 def _attend_block(
     q,
     k_ptr,
     v_ptr,
     block_row_ptr,
-    first_pages,
     token_start,
     token_end,
     kv_head,
@@ -484,7 +474,8 @@ def _attend_block(
     # one step after the id load it depends on (sm_90 TTGIR), so a step takes at least one block-table round trip:
     # a program streams about BLOCK_N tokens per round trip. Ids carried two or three steps through the loop stop
     # the pipeliner again (one buffer per operand in the sm_90 build).
-    next_pages = first_pages
+    next_tokens = token_start + tl.arange(0, BLOCK_N)
+    next_pages = tl.load(block_row_ptr + next_tokens // PAGE, mask=next_tokens < token_end, other=0)
     for token_base in range(token_start, token_end, BLOCK_N):
         tokens = token_base + tl.arange(0, BLOCK_N)
         token_ok = tokens < token_end
@@ -576,8 +567,6 @@ def _prefix_item(
     token_end = tl.where(item == item_count - 1, prefix_tokens, token_start + split_tokens)
     member_start = tl.load(tile_member_start_ptr + tile)
     member_count = tl.load(tile_member_count_ptr + tile)
-    leader_row_ptr = block_table_ptr + leader * stride_table_row
-    first_pages = _first_pages(leader_row_ptr, token_start, token_end, PAGE, BLOCK_N)
 
     rows = tl.arange(0, BLOCK_M)
     member_slot = rows // (QMAX * G)
@@ -605,8 +594,7 @@ def _prefix_item(
         q,
         k_ptr,
         v_ptr,
-        leader_row_ptr,
-        first_pages,
+        block_table_ptr + leader * stride_table_row,
         token_start,
         token_end,
         kv_head,
@@ -700,8 +688,6 @@ def _suffix_item(
     query_len = tl.load(query_start_ptr + request + 1) - query_begin
     token_start = tl.load(prefix_blocks_ptr + request) * PAGE + item * split_tokens
     token_end = tl.where(item == item_count - 1, seq_len, token_start + split_tokens)
-    row_ptr = block_table_ptr + request * stride_table_row
-    first_pages = _first_pages(row_ptr, token_start, token_end, PAGE, BLOCK_N)
 
     rows = tl.arange(0, BLOCK_M)
     query_offset = rows // G
@@ -725,8 +711,7 @@ def _suffix_item(
         q,
         k_ptr,
         v_ptr,
-        row_ptr,
-        first_pages,
+        block_table_ptr + request * stride_table_row,
         token_start,
         token_end,
         kv_head,
