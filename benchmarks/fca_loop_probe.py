@@ -31,7 +31,6 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
-import statistics
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -44,6 +43,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out_dir, print_table, write_results
+from fca_decode import _graph_time_us
 
 # The gather mode last: a fault there (an illegal address ends the CUDA context) keeps the others' rows.
 MODES = {"table_ahead": 0, "hashed": 2, "contiguous": 3, "table_chunk": 1}
@@ -55,6 +55,18 @@ def _page_of(table_row_ptr, item, page, pages_per_item, num_blocks, MODE: tl.con
     if MODE == 3:
         return (item * pages_per_item + page).to(tl.int64)
     return ((item * pages_per_item + page).to(tl.int64) * 7919) % num_blocks
+
+
+@triton.jit
+def _softmax_step(q, k, v, m_i, l_i, acc):
+    # One online-softmax step over a K/V tile (exp2 of raw scores: the probe's queries carry the scale).
+    scores = tl.dot(q, tl.trans(k))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -101,13 +113,7 @@ def loop_probe_kernel(
                 kv_rows = pages * stride_block + (local % PAGE).to(tl.int64) * stride_token + head_offset
                 k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :])
                 v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :])
-                scores = tl.dot(q, tl.trans(k))
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
-                p = tl.exp2(scores - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc)
     else:
         next_tokens = tl.arange(0, BLOCK_N)
         if MODE == 0:
@@ -125,13 +131,7 @@ def loop_probe_kernel(
             kv_rows = pages * stride_block + (tokens % PAGE).to(tl.int64) * stride_token + head_offset
             k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :])
             v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :])
-            scores = tl.dot(q, tl.trans(k))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc)
     tl.store(out_ptr + (pid * BLOCK_M + rows)[:, None].to(tl.int64) * HEAD_DIM + dims[None, :], acc / l_i[:, None])
 
 
@@ -253,32 +253,6 @@ class Setup:
         return torch.cat(outs)
 
 
-def _time_us(calls: list[Any], repeats: int) -> float:
-    for call in calls:
-        call()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: $OUT or benchmarks/results)")
@@ -305,7 +279,7 @@ def main() -> None:
             row["max_abs_error"] = error
             if device == "cuda":
                 calls = [partial(setup.launch, mode, copy) for copy in range(4)] * 2
-                us = _time_us(calls, 10)
+                us = _graph_time_us(calls, 10, "cuda")
                 row.update(us=us, TBps=setup.read_bytes / us / 1e6, MB=setup.read_bytes / 1e6)
                 row.update(registers=compiled.n_regs, shared_KB=compiled.metadata.shared // 1024)
             rows.append(row)
