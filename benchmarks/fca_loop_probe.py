@@ -51,7 +51,7 @@ HASH = 7919  # odd multiplier: page p of the cache's num_blocks (a power of two)
 
 
 @triton.jit
-def _page_of(table_row_ptr, item, page, pages_per_item, num_blocks, MODE: tl.constexpr):
+def _page_of(item, page, pages_per_item, num_blocks, MODE: tl.constexpr):
     if MODE == 3:
         return (item * pages_per_item + page).to(tl.int64)
     return ((item * pages_per_item + page).to(tl.int64) * 7919) % num_blocks
@@ -119,7 +119,7 @@ def loop_probe_kernel(
         if MODE == 0:
             next_pages = tl.load(row_ptr + next_tokens // PAGE)
         else:
-            next_pages = _page_of(row_ptr, item, next_tokens // PAGE, pages_per_item, num_blocks, MODE)
+            next_pages = _page_of(item, next_tokens // PAGE, pages_per_item, num_blocks, MODE)
         for base in range(0, tokens_per_item, BLOCK_N):
             tokens = base + tl.arange(0, BLOCK_N)
             pages = next_pages.to(tl.int64)
@@ -127,7 +127,7 @@ def loop_probe_kernel(
             if MODE == 0:
                 next_pages = tl.load(row_ptr + following // PAGE, mask=following < tokens_per_item, other=0)
             else:
-                next_pages = _page_of(row_ptr, item, following // PAGE, pages_per_item, num_blocks, MODE)
+                next_pages = _page_of(item, following // PAGE, pages_per_item, num_blocks, MODE)
             kv_rows = pages * stride_block + (tokens % PAGE).to(tl.int64) * stride_token + head_offset
             k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :])
             v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :])
@@ -247,7 +247,7 @@ class Setup:
             for head in range(self.heads):
                 program = item * self.heads + head
                 q = self.query[program * shape.rows : (program + 1) * shape.rows].float()
-                scores = (q @ keys[:, head].T) * 1.0  # the probe's dot has no scale: exp2 of raw scores
+                scores = q @ keys[:, head].T  # the probe's dot has no scale: exp2 of raw scores
                 weights = torch.softmax(scores * torch.log(torch.tensor(2.0)), dim=-1)
                 outs.append(weights @ values[:, head])
         return torch.cat(outs)

@@ -354,3 +354,17 @@ def test_dependent_launches_need_a_cuda_device_of_compute_capability_9() -> None
     asked = ForestKernelConfig(dependent_launches=True)
     assert not dependent_launches(asked, torch.device("cpu"))
     assert not dependent_launches(ForestKernelConfig(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cls", [DecodeKnobs, ForestKernelConfig])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("combine_dim_block", 24, "combine_dim_block must be a power of two >= 16"),
+        ("combine_num_warps", 3, "combine_num_warps must be 1, 2, 4 or 8"),
+        ("combine_chunk_cap", 6, "combine_chunk_cap must be a power of two >= 1"),
+    ],
+)
+def test_bad_combine_shapes_are_refused_by_knobs_and_config(cls: type, field: str, value: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cls(**{field: value})

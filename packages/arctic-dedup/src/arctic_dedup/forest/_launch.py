@@ -68,14 +68,9 @@ class DecodeKnobs:
     chain_passes: bool = False
 
     def __post_init__(self) -> None:
-        block = self.combine_dim_block
-        if block is not None and (block < 16 or block & (block - 1)):
-            raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {block}")
-        cap = self.combine_chunk_cap
-        if cap is not None and (cap < 1 or cap & (cap - 1)):
-            raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
-        if self.combine_num_warps not in (None, 1, 2, 4, 8):
-            raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
+        from arctic_dedup.forest.plan import check_combine_shape
+
+        check_combine_shape(self.combine_dim_block, self.combine_num_warps, self.combine_chunk_cap)
         for name in ("max_registers", "prefix_max_registers"):
             registers = getattr(self, name)
             if registers is not None and not 24 <= registers <= 255:

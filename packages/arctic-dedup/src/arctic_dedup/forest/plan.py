@@ -63,6 +63,16 @@ class ForestGrouping:
             raise ValueError(f"max_groups must be >= 0 or None, got {self.max_groups}")
 
 
+def check_combine_shape(dim_block: int | None, num_warps: int | None, chunk_cap: int | None) -> None:
+    """Validate a combine launch shape (``None`` leaves a field unchecked: a knob that defers to the config)."""
+    if dim_block is not None and (dim_block < 16 or dim_block & (dim_block - 1)):
+        raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {dim_block}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {num_warps}")
+    if chunk_cap is not None and (chunk_cap < 1 or chunk_cap & (chunk_cap - 1)):
+        raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {chunk_cap}")
+
+
 @dataclass(frozen=True)
 class ForestKernelConfig:
     """Tile shapes and work sizes of the decode kernels (tuned by ``benchmarks/fca_decode.py``).
@@ -115,13 +125,7 @@ class ForestKernelConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        block = self.combine_dim_block
-        if block is not None and (block < 16 or block & (block - 1)):
-            raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {block}")
-        if self.combine_num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
-        if self.combine_chunk_cap < 1 or self.combine_chunk_cap & (self.combine_chunk_cap - 1):
-            raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
+        check_combine_shape(self.combine_dim_block, self.combine_num_warps, self.combine_chunk_cap)
         if self.split_granularity < 1:
             raise ValueError(f"split_granularity must be >= 1, got {self.split_granularity}")
         if self.waves <= 0 or self.prefix_waves <= 0:
