@@ -32,3 +32,22 @@ def test_loop_probe_smoke_matches_torch(tmp_path: Path) -> None:
     assert len(rows) == 8
     assert all(row["max_abs_error"] < 1e-4 for row in rows), rows
     assert result["summary"]["ok"]
+
+
+@pytest.mark.skipif(not (BENCHMARKS / "fca_flat_probe.py").exists(), reason="needs the repository's benchmarks/")
+def test_flat_probe_smoke_merges_to_torch(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fca_flat_probe.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "fca_flat_probe.json").read_text())["rows"]
+    # The per-item launch and flat grids that split owners across programs (uneven runs included), each merged
+    # back to plain torch attention within fp32 rounding.
+    flat = [row for row in rows if row["form"] == "flat"]
+    assert len(flat) == 6 and {row["programs"] for row in flat} >= {1, 5, 7, 16}
+    assert all(row["max_abs_error"] < 1e-4 for row in rows), rows
