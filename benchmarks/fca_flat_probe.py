@@ -28,6 +28,7 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
+import itertools
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -61,6 +62,7 @@ def flat_probe_kernel(
     stride_token,
     stride_head,
     MAX_SEGMENTS: tl.constexpr,
+    BRANCH: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -118,15 +120,25 @@ def flat_probe_kernel(
         ends = (step == steps_per_owner - 1) | (following == last_step)
         segment = pid - (owner * steps_per_owner) // run_steps
         slot = ((owner * MAX_SEGMENTS + segment) * BLOCK_M + rows).to(tl.int64)
-        tl.store(
-            part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :],
-            acc / l_i[:, None],
-            mask=ends & (rows[:, None] >= 0),
-        )
-        tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i), mask=ends & (rows >= 0))
-        m_i = tl.where(ends, float("-inf"), m_i)
-        l_i = tl.where(ends, 0.0, l_i)
-        acc = tl.where(ends, 0.0, acc)
+        if BRANCH:
+            # The partial's store (a layout conversion of the accumulator) only where an owner's run ends.
+            if ends:
+                tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None])
+                tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i))
+                m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        else:
+            # Masked stores and selects every step (no branch in the loop body).
+            tl.store(
+                part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :],
+                acc / l_i[:, None],
+                mask=ends & (rows[:, None] >= 0),
+            )
+            tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i), mask=ends & (rows >= 0))
+            m_i = tl.where(ends, float("-inf"), m_i)
+            l_i = tl.where(ends, 0.0, l_i)
+            acc = tl.where(ends, 0.0, acc)
 
 
 @triton.jit
@@ -145,16 +157,13 @@ class FlatCase:
     programs: tuple[int, ...]  # flat grids to time beside the per-item launch
 
 
+# Each case's first flat grid has one program per owner (the flat loop's own cost: no owner is split or shared).
 CASES = (
-    FlatCase(ProbeShape("RL-8x16 suffix pass (16x32, 1024 owners x 512 tokens)", 16, 32, 128, 512), (528, 792)),
-    FlatCase(ProbeShape("RL-8x16 suffix pass, 16x64 tiles", 16, 64, 128, 512), (264, 528)),
-    FlatCase(ProbeShape("RL-8x16 prefix pass (64x64, 256 owners x 2048 tokens)", 64, 64, 32, 2048), (132, 264)),
-    # The flat 64x64 loop takes 128 KB of shared memory at 3 stages (one program per SM), 96 KB at 2 (sm_90, offline).
-    FlatCase(ProbeShape("RL-8x16 prefix pass, 2 stages", 64, 64, 32, 2048, 2), (264,)),
-    FlatCase(ProbeShape("single group prefix (64x64, 128 owners x 512 tokens)", 64, 64, 16, 512), (132, 264)),
-    FlatCase(ProbeShape("single group prefix, 2 stages", 64, 64, 16, 512, 2), (132, 264)),
-    FlatCase(ProbeShape("single group suffix (16x32, 128 owners x 512 tokens)", 16, 32, 16, 512), (132, 264, 528)),
-    FlatCase(ProbeShape("single group suffix, 16x64 tiles", 16, 64, 16, 512), (132, 264)),
+    FlatCase(ProbeShape("RL-8x16 suffix pass (16x32, 1024 owners x 512 tokens)", 16, 32, 128, 512), (1024, 528, 792)),
+    FlatCase(ProbeShape("RL-8x16 suffix pass, 16x64 tiles", 16, 64, 128, 512), (1024, 264, 528)),
+    FlatCase(ProbeShape("RL-8x16 prefix pass (64x64, 256 owners x 2048 tokens)", 64, 64, 32, 2048), (256, 132)),
+    FlatCase(ProbeShape("single group prefix (64x64, 128 owners x 512 tokens)", 64, 64, 16, 512), (128, 132)),
+    FlatCase(ProbeShape("single group suffix (16x32, 128 owners x 512 tokens)", 16, 32, 16, 512), (128, 264, 528)),
 )
 SMOKE_CASES = (
     FlatCase(ProbeShape("smoke 16x16", 16, 16, 3, 128), (1, 4, 5, 16)),
@@ -162,7 +171,7 @@ SMOKE_CASES = (
 )
 
 
-def _flat_launch(setup: Setup, programs: int, parts: tuple[torch.Tensor, torch.Tensor], copy: int) -> Any:
+def _flat_launch(setup: Setup, programs: int, parts: tuple[torch.Tensor, torch.Tensor], copy: int, branch: bool) -> Any:
     key, value = setup.caches[copy]
     shape = setup.shape
     steps_per_owner = shape.tokens_per_item // shape.block_n
@@ -184,6 +193,7 @@ def _flat_launch(setup: Setup, programs: int, parts: tuple[torch.Tensor, torch.T
         key.stride(1),
         key.stride(2),
         MAX_SEGMENTS=parts[1].shape[1],
+        BRANCH=branch,
         PAGE=setup.page,
         BLOCK_M=shape.rows,
         BLOCK_N=shape.block_n,
@@ -268,14 +278,15 @@ def main() -> None:
             row.update(us=us, TBps=setup.read_bytes / us / 1e6, registers=compiled.n_regs)
         rows.append(row)
         print(row, flush=True)
-        for programs in case.programs:
+        for programs, branch in itertools.product(case.programs, (False, True)):
             parts = _flat_parts(setup, programs)
-            compiled = _flat_launch(setup, programs, parts, 0)
-            row = {**base, "form": "flat", "programs": programs, "segments": parts[1].shape[1]}
+            compiled = _flat_launch(setup, programs, parts, 0, branch)
+            row = {**base, "form": "flat, branch" if branch else "flat, masked", "programs": programs}
+            row["segments"] = parts[1].shape[1]
             row["max_abs_error"] = (_merge(parts) - reference).abs().max().item()
             row["ok"] = row["max_abs_error"] < tolerance
             if device == "cuda":
-                calls = [partial(_flat_launch, setup, programs, parts, c) for c in range(copies)] * 2
+                calls = [partial(_flat_launch, setup, programs, parts, c, branch) for c in range(copies)] * 2
                 us = _graph_time_us(calls, 10, device)
                 row.update(us=us, TBps=setup.read_bytes / us / 1e6, registers=compiled.n_regs)
                 row["shared_KB"] = compiled.metadata.shared // 1024
