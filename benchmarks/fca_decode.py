@@ -604,7 +604,31 @@ def _variants() -> list[Variant]:
     fused = replace(p64_s64, split_passes=False, fuse_combine=True)
     w8 = (("num_warps", 8),)
     pw1 = (("prefix_waves", 1.0),)
+    split_w2 = (("split_passes", True), ("waves", 2.0))
     return [
+        # Round 12 (predictions in forest/NOTES.md): the flat-loop probe found one-wave suffix work 20% faster at two
+        # programs per SM than at one; the single group's rule gets its own prefix launch (one 64x64 program per SM)
+        # and two suffix programs per SM beside it. RL-8x16's rule has both already: its rows are the control.
+        Variant(
+            "v12_split_w2",
+            "the default rule with split passes (side stream) and waves 2 (single group: 256 suffix programs)",
+            None,
+            rule_changes=split_w2,
+        ),
+        Variant(
+            "v12_split_w2_chain",
+            "v12_split_w2 with both passes on one stream, the suffix pass after every prefix program has started",
+            None,
+            DecodeKnobs(chain_passes=True),
+            rule_changes=split_w2,
+        ),
+        Variant(
+            "v12_split_w4",
+            "the default rule with split passes and waves 4 (single group: 512 suffix programs, 2 fit beside the "
+            "prefix program by registers)",
+            None,
+            rule_changes=(("split_passes", True), ("waves", 4.0)),
+        ),
         # Round 10 (predictions in forest/NOTES.md): one RL-8x16 prefix program per SM, suffix programs beside it.
         Variant("v10_pw1", "the default rule with prefix_waves 1 (one prefix program per SM)", None, rule_changes=pw1),
         Variant(
