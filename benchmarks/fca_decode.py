@@ -605,7 +605,40 @@ def _variants() -> list[Variant]:
     w8 = (("num_warps", 8),)
     pw1 = (("prefix_waves", 1.0),)
     split_w2 = (("split_passes", True), ("waves", 2.0))
+    # A fixed suffix grid of two programs per SM, capped at 128 registers (127 without a cap: 154) so that two fit
+    # beside a 253-register prefix program: 64 K registers together.
+    persistent2 = {"suffix_programs_per_sm": 2, "max_registers": 128, "prefix_max_registers": 255}
     return [
+        # Round 13 (predictions in forest/NOTES.md): RL-8x16 with one 2 MB prefix program per SM and a persistent
+        # suffix pass of two programs per SM beside it (round 10 let four one-item suffix programs per SM crowd it).
+        Variant(
+            "v13_pw1_ps2_chain",
+            "prefix_waves 1 (one prefix program per SM), persistent suffix pass of 2 programs per SM chained after it",
+            None,
+            DecodeKnobs(chain_passes=True, **persistent2),
+            rule_changes=pw1,
+        ),
+        Variant(
+            "v13_pw1_ps2",
+            "v13_pw1_ps2_chain with the prefix pass on the side stream",
+            None,
+            DecodeKnobs(**persistent2),
+            rule_changes=pw1,
+        ),
+        Variant(
+            "v13_pw1_ps1_chain",
+            "prefix_waves 1, persistent suffix pass of 1 program per SM (154 registers, uncapped), chained",
+            None,
+            DecodeKnobs(chain_passes=True, suffix_programs_per_sm=1),
+            rule_changes=pw1,
+        ),
+        Variant(
+            "v13_ps4",
+            "the default rule with a persistent suffix pass of 4 programs per SM capped at 128 registers (the "
+            "persistent loop's own cost)",
+            None,
+            DecodeKnobs(suffix_programs_per_sm=4, max_registers=128, prefix_max_registers=255),
+        ),
         # Round 12 (predictions in forest/NOTES.md): the flat-loop probe found one-wave suffix work 20% faster at two
         # programs per SM than at one; the single group's rule gets its own prefix launch (one 64x64 program per SM)
         # and two suffix programs per SM beside it. RL-8x16's rule has both already: its rows are the control.

@@ -65,6 +65,7 @@ ATTENTION = {
     "PREFIX_BLOCK_N": 32,
     "SUFFIX_BLOCK_N": 32,
     "PASS": 0,
+    "PERSISTENT": False,
     **COMMON,
 }
 # Hopper: 228 KB of shared memory per multiprocessor, 227 KB per program, 1 KB of it reserved per program.
@@ -148,6 +149,8 @@ def _compile_diagnosis_variants() -> None:
         # Version 3 round 2: deep prefix pipeline (112 KB, 2/SM), deep suffix pipeline (69 KB, 3/SM).
         ({"PASS": 1}, 4, 6),
         ({"PASS": 2}, 4, 5),
+        # Round 13: the suffix pass on a fixed grid (each program loops over its slot's items).
+        ({"PASS": 2, "PERSISTENT": True}, 4, 3),
     ]
     for overrides, num_warps, num_stages in attention:
         compiled = compile_attention(True, num_warps, num_stages, **overrides)

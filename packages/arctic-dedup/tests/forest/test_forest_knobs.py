@@ -36,6 +36,9 @@ KNOBS = {
     "chained_passes": DecodeKnobs(split_passes=True, chain_passes=True),
     # Register caps are a compile option the interpreter ignores.
     "register_caps": DecodeKnobs(split_passes=True, prefix_num_warps=8, max_registers=128, prefix_max_registers=96),
+    # A fixed suffix grid (SMALL has 2 multiprocessors and 2 kv heads: one slot of programs loops over every item).
+    "persistent_suffix": DecodeKnobs(split_passes=True, suffix_programs_per_sm=1),
+    "persistent_suffix_chained": DecodeKnobs(split_passes=True, suffix_programs_per_sm=3, chain_passes=True),
 }
 # Every pair of (block size, GQA ratio, head dim) values meets once.
 LATIN = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]
@@ -128,6 +131,17 @@ def test_passes_run_alone_cover_disjoint_items() -> None:
         assert torch.equal(out, outputs[0][0]) and torch.equal(lse, outputs[0][1])
 
 
+def test_persistent_suffix_pass_runs_every_item_of_its_slots() -> None:
+    # Many suffix items (long suffixes, small splits) on one slot of programs, and on as many slots as items.
+    batch = make_decode_batch([70, 45], [[40, 9, 0, 33], [52, 1, 70]], queries_per_kv=2, seed=23)
+    config = replace(SMALL, waves=32.0)
+    plan = _plan(batch, 2, config=config)
+    items = int(plan.work_start[-1] - plan.work_start[plan.num_requests])
+    assert items > plan.num_requests + 4
+    for per_sm in (1, items):
+        _run(batch, 2, DecodeKnobs(split_passes=True, suffix_programs_per_sm=per_sm), config)
+
+
 def test_prefix_pass_needs_groups() -> None:
     batch = make_decode_batch([40], [[3, 4]], seed=23)
     plan = plan_paged(
@@ -160,6 +174,7 @@ def test_prefix_pass_needs_groups() -> None:
         ("combine_num_warps", 3, "combine_num_warps"),
         ("max_registers", 8, "max_registers"),
         ("prefix_max_registers", 300, "prefix_max_registers"),
+        ("suffix_programs_per_sm", 0, "suffix_programs_per_sm"),
     ],
 )
 def test_knobs_are_validated(field: str, value: int, message: str) -> None:

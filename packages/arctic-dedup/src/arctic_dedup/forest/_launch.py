@@ -50,6 +50,9 @@ class DecodeKnobs:
         combine_num_warps: warps per combine program (1, 2, 4 or 8), overriding the config's (``None``): fewer warps
             per program fit more programs on an SM, so a latency-bound combine takes fewer waves
             (sm90_compile_report.py gives the registers).
+        suffix_programs_per_sm: the suffix pass of a split launch runs on a fixed grid of about this many programs
+            per multiprocessor (rounded to whole kv-head groups), each looping over its slot's suffix items, instead
+            of one program per item (``None``); e.g. 2 beside one prefix program per SM.
         chain_passes: with ``ForestKernelConfig.dependent_launches`` in effect and split passes, both passes stay on
             one stream instead of the side stream: the prefix pass waits for the plan before letting the suffix
             pass be scheduled, the suffix pass runs beside the prefix pass's last programs and waits for it only at
@@ -66,6 +69,7 @@ class DecodeKnobs:
     combine_chunk_cap: int | None = None
     combine_num_warps: int | None = None
     chain_passes: bool = False
+    suffix_programs_per_sm: int | None = None
 
     def __post_init__(self) -> None:
         from arctic_dedup.forest.plan import check_combine_shape
@@ -75,6 +79,8 @@ class DecodeKnobs:
             registers = getattr(self, name)
             if registers is not None and not 24 <= registers <= 255:
                 raise ValueError(f"{name} must be in [24, 255] or None, got {registers}")
+        if self.suffix_programs_per_sm is not None and self.suffix_programs_per_sm < 1:
+            raise ValueError(f"suffix_programs_per_sm must be >= 1 or None, got {self.suffix_programs_per_sm}")
 
 
 DEFAULT_KNOBS = DecodeKnobs()
@@ -366,8 +372,18 @@ def launch_attention(
     # The suffix pass reads nothing the prefix pass writes: chained, it starts beside the prefix pass's last wave.
     chain = pdl and knobs.chain_passes and not fuse and passes == (1, 2)
 
+    # A persistent suffix pass: a fixed grid of slots (each a group of kv-head programs) loops over the items.
+    suffix_slots = plan.max_suffix_work
+    per_sm = knobs.suffix_programs_per_sm
+    persistent = per_sm is not None and 2 in passes
+    if per_sm is not None and persistent:
+        from arctic_dedup.forest.plan import _multiprocessors
+
+        wanted = math.ceil(per_sm * _multiprocessors(query.device, config) / num_kv_heads)
+        suffix_slots = max(1, min(plan.max_suffix_work, wanted))
+
     def launch(which: int) -> Any:
-        programs = {0: plan.max_prefix_work + plan.max_suffix_work, 1: plan.max_prefix_work, 2: plan.max_suffix_work}
+        programs = {0: plan.max_prefix_work + plan.max_suffix_work, 1: plan.max_prefix_work, 2: suffix_slots}
         warps, stages = (prefix_warps, prefix_stages) if which == 1 else (num_warps, num_stages)
         registers = knobs.max_registers
         if which == 1 and knobs.prefix_max_registers is not None:
@@ -432,6 +448,7 @@ def launch_attention(
             UPCAST=upcast,
             DOT_PRECISION=precision,
             PASS=which,
+            PERSISTENT=persistent and which == 2,
             num_warps=warps,
             num_stages=stages,
             **_pdl_options(pdl, {1: 2, 2: 3}[which] if chain else 1),
