@@ -39,6 +39,8 @@
 #   fca-loop-sweep the same loop, one program per SM, tokens per item swept: fixed vs per-step cost (~1 min)
 #   fca-flat-probe the same loop laid flat across work items (fixed grids, partials merged) against one program per
 #                  item, and a read-only kernel's ceiling (fca_flat_probe.json)  (~1 min)
+#   fca-timeline   every attention and combine program's start, end and SM for the single group, RL-8x16 and no
+#                  sharing (fca_timeline.json, fca_timeline.png)  (~1 min)
 #   fca-paged-order  no sharing: the per-request kernel with a fixed vs a rebuilt plan, alternating, with and
 #                  without dependent launches, clocks and power logged (fca_decode_paged_order.json)  (~1 min)
 #   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
@@ -127,6 +129,7 @@ for stage in "$@"; do
     fca-loop-probe) run fca_loop_probe 200 python3 benchmarks/fca_loop_probe.py --out "$out" ;;
     fca-loop-sweep) run fca_loop_sweep 200 python3 benchmarks/fca_loop_probe.py --sweep --out "$out" ;;
     fca-flat-probe) run fca_flat_probe 200 python3 benchmarks/fca_flat_probe.py --out "$out" ;;
+    fca-timeline) run fca_timeline 200 python3 benchmarks/fca_timeline.py --out "$out" ;;
     fca-paged-order) run fca_paged_order 150 python3 benchmarks/fca_decode.py --paged-order --out "$out" ;;
     forest-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run forest_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-dedup/tests/forest/test_forest_gpu.py ;;

@@ -106,6 +106,7 @@ def forest_report() -> None:
     pointers.update({name: "*fp32" for name in ("suffix_part_out_ptr", "suffix_part_lse_ptr")})
     shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0}
     shapes["PERSISTENT"] = False
+    shapes["TIMELINE"] = False
     shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
     kernel = forest_kernels.forest_attention_kernel
     # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.
@@ -129,6 +130,7 @@ def forest_report() -> None:
     combine_ints.update(stride_lse_token=32, stride_lse_head=1, num_requests=128, head_dim=128, num_kv_heads=8)
     combine_ints.update(dim_chunks=1, suffix_part_offset=16 * 129 * 8 * 64)
     flags = {"HAS_PREFIX": True, "FUSE": False, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "PDL": 0}
+    flags["TIMELINE"] = False
     combine = forest_kernels.forest_combine_kernel
     # ForestKernelConfig()'s combine (4 warps, whole heads, 16 partials at a time), the variants fca_decode.py
     # --diagnose timed, and the default rule's (1 warp, 64-dim halves, 8 partials at a time).

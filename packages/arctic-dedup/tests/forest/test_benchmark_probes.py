@@ -55,3 +55,20 @@ def test_flat_probe_smoke_merges_to_torch(tmp_path: Path) -> None:
         and {row["programs"] for row in flat} >= {1, 5, 7, 16}
     )
     assert all(row["max_abs_error"] < 1e-4 for row in rows), rows
+
+
+@pytest.mark.skipif(not (BENCHMARKS / "fca_timeline.py").exists(), reason="needs the repository's benchmarks/")
+def test_timeline_summary_of_a_synthetic_timeline(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fca_timeline.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {row["kind"]: row for row in json.loads((tmp_path / "fca_timeline.json").read_text())["rows"]}
+    # Times from the first entry; the grid slot that never ran is left out; tags split prefix from suffix items.
+    assert set(rows) == {"prefix item", "suffix item", "combine"}
+    assert rows["prefix item"]["median_us"] == pytest.approx(19.4) and rows["prefix item"]["last_end_us"] == 21.0
+    assert rows["suffix item"]["programs"] == 2 and rows["suffix item"]["max_us"] == pytest.approx(17.0)
+    assert rows["combine"]["first_start_us"] == pytest.approx(21.5) and rows["combine"]["first_entry_us"] == 15.0

@@ -43,8 +43,9 @@ def _compile(kernel: object, constants: dict[str, object], num_warps: int, num_s
                 signature[name] = "fp32" if name == "scale_log2" else "i32"
             if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    if "PDL" in kernel.arg_names and "PDL" not in constants:  # type: ignore[attr-defined]
-        signature["PDL"], constexprs["PDL"] = "constexpr", 0
+    for flag in ("PDL", "TIMELINE", "PERSISTENT"):
+        if flag in kernel.arg_names and flag not in constants:  # type: ignore[attr-defined]
+            signature[flag], constexprs[flag] = "constexpr", 0
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     try:
         return triton.compile(
@@ -66,6 +67,7 @@ ATTENTION = {
     "SUFFIX_BLOCK_N": 32,
     "PASS": 0,
     "PERSISTENT": False,
+    "TIMELINE": False,
     **COMMON,
 }
 # Hopper: 228 KB of shared memory per multiprocessor, 227 KB per program, 1 KB of it reserved per program.
@@ -115,6 +117,21 @@ def _compile_all() -> None:
         assert 0 <= trigger < wait, (compiled.name, trigger, wait)
         assert wait < min(ptx.find(op) for op in ("ld.global", "atom.global") if op in ptx)
     assert "griddepcontrol" not in forest.asm["ptx"]  # type: ignore[attr-defined]
+    # Timelines (diagnosis only) read the device clock and SM id; without them neither is read.
+    timed = [
+        compile_attention(True, TIMELINE=True),
+        _compile(
+            _kernels.forest_combine_kernel,
+            {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 8, "DIM_BLOCK": 64}
+            | {"TIMELINE": True},
+            1,
+            1,
+        ),
+    ]
+    for compiled in timed:
+        ptx = compiled.asm["ptx"]  # type: ignore[attr-defined]
+        assert ptx.count("%globaltimer") >= 3 and "%smid" in ptx, compiled.name  # type: ignore[attr-defined]
+    assert "%globaltimer" not in forest.asm["ptx"]  # type: ignore[attr-defined]
     # Chained passes: the prefix pass waits before it lets the suffix pass start; the suffix pass waits last.
     prefix_ptx = compile_attention(True, PDL=2, PASS=1, PREFIX_BLOCK_N=64).asm["ptx"]  # type: ignore[attr-defined]
     assert 0 <= prefix_ptx.find("griddepcontrol.wait") < prefix_ptx.find("griddepcontrol.launch_dependents")

@@ -337,3 +337,31 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
         lse.fill_(float("nan"))
     graph.replay()
     check()
+
+
+def test_launch_timeline_records_every_program() -> None:
+    from test_forest_decode import _plan
+
+    from arctic_dedup.forest._launch import DecodeKnobs, LaunchTimeline, launch_forest_decode
+
+    batch = make_decode_batch(
+        [700, 300], [[40, 0, 90], [10, 200]], queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda"
+    )
+    config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, split_passes=True)
+    plan = _plan(batch, 4, config)
+    out, lse = torch.empty_like(batch.query), torch.empty(batch.query.shape[:2], device="cuda")
+    timeline = LaunchTimeline()
+    launch_forest_decode(
+        batch.query, batch.key_cache, batch.value_cache, plan, 0.1, out, lse, DecodeKnobs(timeline=timeline)
+    )
+    torch.cuda.synchronize()
+    _check(out, lse, batch, 0.1)
+    assert set(timeline.launches) == {"prefix pass", "suffix pass", "combine"}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows in timeline.launches.values():
+        entry, start, end, sm = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+        assert bool((entry > 0).all()) and bool((entry <= start).all()) and bool((start <= end).all())
+        assert bool((sm >= 0).all()) and bool((sm < sms).all())
+    items = int(plan.work_start[-1])
+    tags = torch.cat([timeline.launches[name][:, 4] for name in ("prefix pass", "suffix pass")])
+    assert sorted(tags[tags >= 0].tolist()) == list(range(items))

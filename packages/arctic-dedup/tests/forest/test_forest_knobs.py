@@ -142,6 +142,17 @@ def test_persistent_suffix_pass_runs_every_item_of_its_slots() -> None:
         _run(batch, 2, DecodeKnobs(split_passes=True, suffix_programs_per_sm=per_sm), config)
 
 
+def test_timelines_need_a_cuda_device() -> None:
+    from arctic_dedup.forest._launch import LaunchTimeline
+
+    batch = make_decode_batch([40], [[3, 5]], queries_per_kv=2, seed=24)
+    plan = _plan(batch, 2)
+    out, lse = _poisoned(batch)
+    knobs = DecodeKnobs(timeline=LaunchTimeline())
+    with pytest.raises(PlanError, match="CUDA device"):
+        launch_forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.2, out, lse, knobs)
+
+
 def test_prefix_pass_needs_groups() -> None:
     batch = make_decode_batch([40], [[3, 4]], seed=23)
     plan = plan_paged(

@@ -62,6 +62,27 @@ def _end_after_previous_launch(PDL: tl.constexpr):
         gdc_wait()
 
 
+@triton.jit
+def _timestamp(TIMELINE: tl.constexpr):
+    # The device's nanosecond clock (common to all multiprocessors), read only by timeline builds.
+    if TIMELINE:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.zeros([], dtype=tl.int64)
+
+
+@triton.jit
+def _record_timeline(timeline_ptr, entry, start, tag, TIMELINE: tl.constexpr):
+    # One row of 8 int64 per program: entry, start (after waiting for the launch before), end, SM id, tag.
+    if TIMELINE:
+        end = _timestamp(TIMELINE)
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        fields = tl.arange(0, 8)
+        values = tl.where(fields == 0, entry, tl.where(fields == 1, start, end))
+        values = tl.where(fields == 3, sm.to(tl.int64), tl.where(fields == 4, tag.to(tl.int64), values))
+        tl.store(timeline_ptr + tl.program_id(0).to(tl.int64) * 8 + fields, values, mask=fields < 5)
+
+
 # ---------------------------------------------------------------------------------------------------- planning
 
 
@@ -1150,6 +1171,7 @@ def forest_attention_kernel(
     num_requests,
     head_dim,
     num_kv_heads,
+    timeline_ptr,
     HAS_PREFIX: tl.constexpr,
     FUSE: tl.constexpr,
     OWNERS_BLOCK: tl.constexpr,
@@ -1166,9 +1188,12 @@ def forest_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    TIMELINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    entry = _timestamp(TIMELINE)
     _follow_previous_launch(PDL)
+    start = _timestamp(TIMELINE)
     # The kv heads of one item are adjacent programs: they read neighbouring bytes of the same cache blocks.
     pid = tl.program_id(0)
     work = pid // num_kv_heads
@@ -1316,6 +1341,7 @@ def forest_attention_kernel(
             work,
             kv_head,
         )
+    _record_timeline(timeline_ptr, entry, start, tl.where(work < limit, work, -1), TIMELINE)
     _end_after_previous_launch(PDL)
 
 
@@ -1339,6 +1365,7 @@ def forest_combine_kernel(
     head_dim,
     num_kv_heads,
     dim_chunks,
+    timeline_ptr,
     HAS_PREFIX: tl.constexpr,
     FUSE: tl.constexpr,
     G: tl.constexpr,
@@ -1347,9 +1374,12 @@ def forest_combine_kernel(
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
     DIM_BLOCK: tl.constexpr,
+    TIMELINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    entry = _timestamp(TIMELINE)
     _follow_previous_launch(PDL)
+    start = _timestamp(TIMELINE)
     # One program per (request, kv head, slice of DIM_BLOCK head dims): narrower slices give more programs, each
     # loading all its partials in fewer rounds.
     pid = tl.program_id(0)
@@ -1431,3 +1461,4 @@ def forest_combine_kernel(
         )
         lse_offsets = token * stride_lse_token + head.to(tl.int64) * stride_lse_head
         tl.store(lse_ptr + lse_offsets, lse, mask=row_ok & (dim_chunk == 0))
+    _record_timeline(timeline_ptr, entry, start, request, TIMELINE)

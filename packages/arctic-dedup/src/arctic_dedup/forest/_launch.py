@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DecodeKnobs",
+    "LaunchTimeline",
     "Partials",
     "allocate_partials",
     "check_decode_inputs",
@@ -28,6 +29,29 @@ __all__ = [
 
 # Partials of one combine chunk held in registers at once (floats): 64 per thread with 4 warps.
 COMBINE_CHUNK_FLOATS = 8192
+
+
+@dataclass
+class LaunchTimeline:
+    """Per-program timestamps of forest decode's launches, for diagnosis (``benchmarks/fca_timeline.py``).
+
+    Each launch made with these knobs writes one int64 row of 8 per program into ``launches[name]`` (``"one launch"``,
+    ``"prefix pass"``, ``"suffix pass"``, ``"combine"``): entry, start (after waiting for the launch before it),
+    end, the multiprocessor it ran on, and a tag (the work item, -1 for a program without one; the request for the
+    combine), times from the device's nanosecond clock. CUDA only: the Triton interpreter has no clock to read.
+    Buffers are made on first use and reused, so a captured graph rewrites them at every replay.
+    """
+
+    launches: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, name: str, programs: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda" or interpreting():
+            raise PlanError("a LaunchTimeline reads the GPU's clock: use it on a CUDA device, not the interpreter.")
+        buffer = self.launches.get(name)
+        if buffer is None or buffer.shape[0] < programs or buffer.device != device:
+            buffer = torch.full((programs, 8), -1, dtype=torch.int64, device=device)
+            self.launches[name] = buffer
+        return buffer
 
 
 @dataclass(frozen=True)
@@ -53,6 +77,7 @@ class DecodeKnobs:
         suffix_programs_per_sm: the suffix pass of a split launch runs on a fixed grid of about this many programs
             per multiprocessor (rounded to whole kv-head groups), each looping over its slot's suffix items, instead
             of one program per item (``None``); e.g. 2 beside one prefix program per SM.
+        timeline: per-program timestamps of every launch (``LaunchTimeline``; CUDA only), ``None`` for none.
         chain_passes: with ``ForestKernelConfig.dependent_launches`` in effect and split passes, both passes stay on
             one stream instead of the side stream: the prefix pass waits for the plan before letting the suffix
             pass be scheduled, the suffix pass runs beside the prefix pass's last programs and waits for it only at
@@ -70,6 +95,7 @@ class DecodeKnobs:
     combine_num_warps: int | None = None
     chain_passes: bool = False
     suffix_programs_per_sm: int | None = None
+    timeline: LaunchTimeline | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         from arctic_dedup.forest.plan import check_combine_shape
@@ -389,7 +415,10 @@ def launch_attention(
         if which == 1 and knobs.prefix_max_registers is not None:
             registers = knobs.prefix_max_registers
         limits = {"maxnreg": registers} if registers is not None and not interpreting() else {}
-        return forest_attention_kernel[(programs[which] * num_kv_heads,)](
+        grid = programs[which] * num_kv_heads
+        name = {0: "one launch", 1: "prefix pass", 2: "suffix pass"}[which]
+        timeline = knobs.timeline.rows(name, grid, query.device) if knobs.timeline is not None else lse
+        return forest_attention_kernel[(grid,)](
             query,
             key_cache,
             value_cache,
@@ -433,6 +462,7 @@ def launch_attention(
             num_requests,
             head_dim,
             num_kv_heads,
+            timeline,
             HAS_PREFIX=plan.shares,
             FUSE=fuse,
             OWNERS_BLOCK=owners_block,
@@ -449,6 +479,7 @@ def launch_attention(
             DOT_PRECISION=precision,
             PASS=which,
             PERSISTENT=persistent and which == 2,
+            TIMELINE=knobs.timeline is not None,
             num_warps=warps,
             num_stages=stages,
             **_pdl_options(pdl, {1: 2, 2: 3}[which] if chain else 1),
@@ -493,7 +524,9 @@ def launch_combine(
     rows = partials.rows
     cap = knobs.combine_chunk_cap if knobs.combine_chunk_cap is not None else config.combine_chunk_cap
     chunk = max(1, min(cap, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (rows * dim_block))))
-    return forest_combine_kernel[(plan.num_requests * plan.num_kv_heads * dim_chunks,)](
+    grid = plan.num_requests * plan.num_kv_heads * dim_chunks
+    timeline = knobs.timeline.rows("combine", grid, out.device) if knobs.timeline is not None else lse
+    return forest_combine_kernel[(grid,)](
         out,
         lse,
         plan.query_start_loc,
@@ -512,6 +545,7 @@ def launch_combine(
         head_dim,
         plan.num_kv_heads,
         dim_chunks,
+        timeline,
         HAS_PREFIX=plan.shares,
         FUSE=fused_combine(plan),
         G=plan.queries_per_kv,
@@ -520,6 +554,7 @@ def launch_combine(
         ROWS=rows,
         CHUNK=chunk,
         DIM_BLOCK=dim_block,
+        TIMELINE=knobs.timeline is not None,
         num_warps=num_warps,
         **_pdl_options(dependent_launches(config, out.device)),
     )
