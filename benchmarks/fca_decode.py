@@ -609,6 +609,27 @@ def _variants() -> list[Variant]:
     # beside a 253-register prefix program: 64 K registers together.
     persistent2 = {"suffix_programs_per_sm": 2, "max_registers": 128, "prefix_max_registers": 255}
     return [
+        # Round 14 (predictions in forest/NOTES.md): the launch timeline shows RL-8x16's suffix pass taking the GPU
+        # first and the one-wave prefix pass (1 MB items, ~62 us each) starting as it drains, 51-82 us in, so its
+        # last programs end 24 us after its first; shorter prefix items shorten that tail.
+        Variant(
+            "v14_pw3",
+            "the default rule with prefix_waves 3 (384 RL-8x16 prefix programs)",
+            None,
+            rule_changes=(("prefix_waves", 3.0),),
+        ),
+        Variant(
+            "v14_pw4",
+            "the default rule with prefix_waves 4 (512 RL-8x16 prefix programs of 512 KB)",
+            None,
+            rule_changes=(("prefix_waves", 4.0),),
+        ),
+        Variant(
+            "v14_pw8",
+            "the default rule with prefix_waves 8 (1024 RL-8x16 prefix programs of 256 KB)",
+            None,
+            rule_changes=(("prefix_waves", 8.0),),
+        ),
         # Round 13 (predictions in forest/NOTES.md): RL-8x16 with one 2 MB prefix program per SM and a persistent
         # suffix pass of two programs per SM beside it (round 10 let four one-item suffix programs per SM crowd it).
         Variant(

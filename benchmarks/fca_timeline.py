@@ -175,6 +175,12 @@ def _measure(name: str, repeats: int) -> tuple[list[dict[str, Any]], list[dict[s
     for row in stats:
         row["case"] = name
     meta = {"case": name, "call_us_graph": plain_us, "call_us_graph_with_timeline": timed_us, "copies": len(copies)}
+    # Every program, compactly (launch, kind, sm, entry, start, end in us): for analyses the summary does not make.
+    meta["programs_columns"] = ["launch", "kind", "sm", "entry_us", "start_us", "end_us"]
+    meta["programs"] = [
+        [p["launch"], p["kind"], p["sm"], *(round(p[key], 3) for key in ("entry_us", "start_us", "end_us"))]
+        for p in programs
+    ]
     case.free()
     return stats, programs, meta
 
@@ -204,7 +210,7 @@ def main() -> None:
             rows += stats
             calls.append(meta)
             drawn[f"{name}: {meta['call_us_graph']:.1f} us per call in a graph"] = programs
-            print(meta, flush=True)
+            print({key: value for key, value in meta.items() if not key.startswith("programs")}, flush=True)
     columns = ["case", "launch", "kind", "programs", "sms", "first_start_us", "last_start_us", "median_us"]
     print_table(rows, [*columns, "max_us", "first_end_us", "last_end_us"])
     plotted = plot(drawn, out_dir / "fca_timeline.png")
