@@ -19,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out_dir, print_table, write_results
 from fca_decode import H200, Case, _cases, _forest_plan, _graph_time_us, _paged_plan
 
-from arctic_dedup.forest import ForestPlan
+from arctic_dedup.forest import ForestKernelConfig, ForestPlan
 from arctic_dedup.forest._launch import DecodeKnobs, LaunchTimeline, launch_forest_decode
+from arctic_dedup.forest.plan import default_forest_config
 
-CASES = ("single_group_16x8704", "rl8x16_adjacent", "no_share_128x8704")
+# (case, variant): the library's default rule everywhere, and on RL-8x16 two scheduling variants of it.
+CASES = (
+    ("single_group_16x8704", "default"),
+    ("rl8x16_adjacent", "default"),
+    ("rl8x16_adjacent", "prefix_waves_4"),
+    ("rl8x16_adjacent", "chained_passes"),
+    ("no_share_128x8704", "default"),
+)
+# variant -> (changes to the default rule's config, launch knobs)
+VARIANTS: dict[str, tuple[dict[str, Any], DecodeKnobs]] = {
+    "default": ({}, DecodeKnobs()),
+    "prefix_waves_4": ({"prefix_waves": 4.0}, DecodeKnobs()),
+    "chained_passes": ({}, DecodeKnobs(chain_passes=True)),
+}
 LAUNCH_ORDER = ("one launch", "prefix pass", "suffix pass", "combine")
 
 
@@ -143,12 +158,20 @@ def _synthetic() -> tuple[dict[str, list[list[int]]], int]:
     return {"one launch": one, "combine": combine}, 2
 
 
-def _measure(name: str, repeats: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+def _config(batch: Any, variant: str) -> ForestKernelConfig:
+    sms = torch.cuda.get_device_properties(batch.query.device).multi_processor_count
+    rule = default_forest_config(batch.seq_lens.shape[0], batch.key_cache.shape[2], sms)
+    return replace(rule, **VARIANTS[variant][0])
+
+
+def _measure(
+    name: str, variant: str, repeats: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     prompts, responses, shuffle = _cases(H200, False)[name]
     case = Case(name, prompts, responses, shuffle, H200)
     grouped = not name.startswith("no_share")
     plans: list[ForestPlan] = [
-        _forest_plan(batch, H200, None, workspace) if grouped else _paged_plan(batch, None)
+        _forest_plan(batch, H200, _config(batch, variant), workspace) if grouped else _paged_plan(batch, None)
         for batch, workspace in zip(case.batches, case.workspaces, strict=True)
     ]
     timelines = [LaunchTimeline() for _ in case.batches]
@@ -158,7 +181,7 @@ def _measure(name: str, repeats: int) -> tuple[list[dict[str, Any]], list[dict[s
 
     def call(index: int, timed: bool) -> None:
         batch = case.batches[index]
-        knobs = DecodeKnobs(timeline=timelines[index]) if timed else DecodeKnobs()
+        knobs = replace(VARIANTS[variant][1], timeline=timelines[index] if timed else None)
         launch_forest_decode(
             batch.query, batch.key_cache, batch.value_cache, plans[index], scale, outs[index], lses[index], knobs
         )
@@ -174,7 +197,14 @@ def _measure(name: str, repeats: int) -> tuple[list[dict[str, Any]], list[dict[s
     stats, programs = summarize(launches, prefix_items)
     for row in stats:
         row["case"] = name
-    meta = {"case": name, "call_us_graph": plain_us, "call_us_graph_with_timeline": timed_us, "copies": len(copies)}
+        row["variant"] = variant
+    meta = {
+        "case": name,
+        "variant": variant,
+        "call_us_graph": plain_us,
+        "call_us_graph_with_timeline": timed_us,
+        "copies": len(copies),
+    }
     # Every program, compactly (launch, kind, sm, entry, start, end in us): for analyses the summary does not make.
     meta["programs_columns"] = ["launch", "kind", "sm", "entry_us", "start_us", "end_us"]
     meta["programs"] = [
@@ -200,18 +230,18 @@ def main() -> None:
     if args.smoke:
         launches, prefix_items = _synthetic()
         stats, programs = summarize(launches, prefix_items)
-        rows += [{"case": "synthetic", **row} for row in stats]
+        rows += [{"case": "synthetic", "variant": "default", **row} for row in stats]
         drawn["synthetic"] = programs
     else:
         if not torch.cuda.is_available():
             sys.exit("fca_timeline needs a CUDA GPU (or --smoke)")
-        for name in CASES:
-            stats, programs, meta = _measure(name, args.repeats)
+        for name, variant in CASES:
+            stats, programs, meta = _measure(name, variant, args.repeats)
             rows += stats
             calls.append(meta)
-            drawn[f"{name}: {meta['call_us_graph']:.1f} us per call in a graph"] = programs
+            drawn[f"{name}, {variant}: {meta['call_us_graph']:.1f} us per call in a graph"] = programs
             print({key: value for key, value in meta.items() if not key.startswith("programs")}, flush=True)
-    columns = ["case", "launch", "kind", "programs", "sms", "first_start_us", "last_start_us", "median_us"]
+    columns = ["case", "variant", "launch", "kind", "programs", "sms", "first_start_us", "last_start_us", "median_us"]
     print_table(rows, [*columns, "max_us", "first_end_us", "last_end_us"])
     plotted = plot(drawn, out_dir / "fca_timeline.png")
     summary = {"seconds": time.time() - started, "calls": calls, "plotted": plotted}
