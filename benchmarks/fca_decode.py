@@ -609,6 +609,14 @@ def _variants() -> list[Variant]:
     # beside a 253-register prefix program: 64 K registers together.
     persistent2 = {"suffix_programs_per_sm": 2, "max_registers": 128, "prefix_max_registers": 255}
     return [
+        # Round 15 (predictions in forest/NOTES.md): the timeline shows the single group's one launch placing its
+        # programs in same-kind pairs (56 SMs with two suffix programs, the critical path); alternate the kinds.
+        Variant(
+            "v15_interleave",
+            "the default rule with prefix and suffix items alternating over the one launch's programs",
+            None,
+            DecodeKnobs(interleave_items=True),
+        ),
         # Round 14 (predictions in forest/NOTES.md): the launch timeline shows RL-8x16's suffix pass taking the GPU
         # first and the one-wave prefix pass (1 MB items, ~62 us each) starting as it drains, 51-82 us in, so its
         # last programs end 24 us after its first; shorter prefix items shorten that tail.

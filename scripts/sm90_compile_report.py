@@ -107,6 +107,7 @@ def forest_report() -> None:
     shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0}
     shapes["PERSISTENT"] = False
     shapes["TIMELINE"] = False
+    shapes["INTERLEAVE"] = False
     shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
     kernel = forest_kernels.forest_attention_kernel
     # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.

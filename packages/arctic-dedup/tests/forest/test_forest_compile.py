@@ -43,7 +43,7 @@ def _compile(kernel: object, constants: dict[str, object], num_warps: int, num_s
                 signature[name] = "fp32" if name == "scale_log2" else "i32"
             if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    for flag in ("PDL", "TIMELINE", "PERSISTENT"):
+    for flag in ("PDL", "TIMELINE", "PERSISTENT", "INTERLEAVE"):
         if flag in kernel.arg_names and flag not in constants:  # type: ignore[attr-defined]
             signature[flag], constexprs[flag] = "constexpr", 0
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -168,6 +168,8 @@ def _compile_diagnosis_variants() -> None:
         ({"PASS": 2}, 4, 5),
         # Round 13: the suffix pass on a fixed grid (each program loops over its slot's items).
         ({"PASS": 2, "PERSISTENT": True}, 4, 3),
+        # Round 15: one launch with prefix and suffix items alternating over the programs.
+        ({"PREFIX_BLOCK_N": 64, "INTERLEAVE": True}, 4, 3),
     ]
     for overrides, num_warps, num_stages in attention:
         compiled = compile_attention(True, num_warps, num_stages, **overrides)

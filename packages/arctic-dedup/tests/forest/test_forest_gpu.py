@@ -276,7 +276,9 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
         assert not workspace.counts.any() and not workspace.leader_slots.any() and not workspace.ticket.any()
 
 
-@pytest.mark.parametrize("variant", ["one_launch", "side_stream", "chained_passes", "persistent_suffix"])
+@pytest.mark.parametrize(
+    "variant", ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items"]
+)
 def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant: str) -> None:
     # Programmatic dependent launch (sm_90+; elsewhere the config field is ignored and this is a plain run): plan and
     # three layers' decodes back to back on one stream, the plan and every layer reading the one before it.
@@ -303,13 +305,15 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
         for _ in range(2)
     ]
     config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
-    config = replace(config, split_passes=variant != "one_launch")
+    config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items"))
     knobs = {
         "chained_passes": DecodeKnobs(chain_passes=True),
         # Round 13: a fixed suffix grid, two programs per SM capped at 128 registers, chained after the prefix pass.
         "persistent_suffix": DecodeKnobs(
             chain_passes=True, suffix_programs_per_sm=2, max_registers=128, prefix_max_registers=255
         ),
+        # Round 15: one launch, prefix and suffix items alternating over the programs.
+        "interleaved_items": DecodeKnobs(interleave_items=True),
     }.get(variant, DecodeKnobs())
     outs = [torch.empty_like(layer.query) for layer in layers]
     lses = [torch.empty(layer.query.shape[:2], device="cuda") for layer in layers]

@@ -39,6 +39,7 @@ KNOBS = {
     # A fixed suffix grid (SMALL has 2 multiprocessors and 2 kv heads: one slot of programs loops over every item).
     "persistent_suffix": DecodeKnobs(split_passes=True, suffix_programs_per_sm=1),
     "persistent_suffix_chained": DecodeKnobs(split_passes=True, suffix_programs_per_sm=3, chain_passes=True),
+    "interleaved_items": DecodeKnobs(interleave_items=True),
 }
 # Every pair of (block size, GQA ratio, head dim) values meets once.
 LATIN = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]

@@ -1188,6 +1188,7 @@ def forest_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
     TIMELINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -1210,6 +1211,14 @@ def forest_attention_kernel(
     limit = total_work
     if PASS == 1:
         limit = prefix_total
+    if INTERLEAVE:
+        # One launch with both kinds of items: even programs take prefix items, odd ones suffix items, so that
+        # neighbouring programs (which the block scheduler tends to place on one multiprocessor) differ in kind.
+        pair = pid // 2
+        kv_head = pair % num_kv_heads
+        suffix_program = (pid % 2) == 1
+        work = tl.where(suffix_program, prefix_total, 0) + pair // num_kv_heads
+        limit = tl.where(suffix_program, total_work, prefix_total)
     if PERSISTENT:
         # A fixed grid: each program runs every work item of its slot, one grid's worth of slots apart.
         slots = tl.num_programs(0) // num_kv_heads

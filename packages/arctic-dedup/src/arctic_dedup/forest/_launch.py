@@ -77,6 +77,8 @@ class DecodeKnobs:
         suffix_programs_per_sm: the suffix pass of a split launch runs on a fixed grid of about this many programs
             per multiprocessor (rounded to whole kv-head groups), each looping over its slot's suffix items, instead
             of one program per item (``None``); e.g. 2 beside one prefix program per SM.
+        interleave_items: a one-launch plan with groups alternates prefix and suffix items over the programs (even
+            programs prefix items, odd ones suffix items) instead of all prefix items first.
         timeline: per-program timestamps of every launch (``LaunchTimeline``; CUDA only), ``None`` for none.
         chain_passes: with ``ForestKernelConfig.dependent_launches`` in effect and split passes, both passes stay on
             one stream instead of the side stream: the prefix pass waits for the plan before letting the suffix
@@ -95,6 +97,7 @@ class DecodeKnobs:
     combine_num_warps: int | None = None
     chain_passes: bool = False
     suffix_programs_per_sm: int | None = None
+    interleave_items: bool = False
     timeline: LaunchTimeline | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -408,8 +411,13 @@ def launch_attention(
         wanted = math.ceil(per_sm * _multiprocessors(query.device, config) / num_kv_heads)
         suffix_slots = max(1, min(plan.max_suffix_work, wanted))
 
+    interleave = knobs.interleave_items and plan.shares and passes == (0,)
+    one_launch = plan.max_prefix_work + plan.max_suffix_work
+    if interleave:
+        one_launch = 2 * max(plan.max_prefix_work, plan.max_suffix_work)
+
     def launch(which: int) -> Any:
-        programs = {0: plan.max_prefix_work + plan.max_suffix_work, 1: plan.max_prefix_work, 2: suffix_slots}
+        programs = {0: one_launch, 1: plan.max_prefix_work, 2: suffix_slots}
         warps, stages = (prefix_warps, prefix_stages) if which == 1 else (num_warps, num_stages)
         registers = knobs.max_registers
         if which == 1 and knobs.prefix_max_registers is not None:
@@ -479,6 +487,7 @@ def launch_attention(
             DOT_PRECISION=precision,
             PASS=which,
             PERSISTENT=persistent and which == 2,
+            INTERLEAVE=interleave and which == 0,
             TIMELINE=knobs.timeline is not None,
             num_warps=warps,
             num_stages=stages,
