@@ -1219,6 +1219,8 @@ def forest_attention_kernel(
         suffix_program = (pid % 2) == 1
         work = tl.where(suffix_program, prefix_total, 0) + pair // num_kv_heads
         limit = tl.where(suffix_program, total_work, prefix_total)
+    # Two call sites on purpose: any loop around the item, even one that runs once, costs the other passes registers
+    # (sm_90, Triton 3.6: suffix pass 112 -> 154, prefix pass 253 -> 255 with spills), so only PERSISTENT loops.
     if PERSISTENT:
         # A fixed grid: each program runs every work item of its slot, one grid's worth of slots apart.
         slots = tl.num_programs(0) // num_kv_heads

@@ -404,8 +404,7 @@ def launch_attention(
     # A persistent suffix pass: a fixed grid of slots (each a group of kv-head programs) loops over the items.
     suffix_slots = plan.max_suffix_work
     per_sm = knobs.suffix_programs_per_sm
-    persistent = per_sm is not None and 2 in passes
-    if per_sm is not None and persistent:
+    if per_sm is not None:
         from arctic_dedup.forest.plan import _multiprocessors
 
         wanted = math.ceil(per_sm * _multiprocessors(query.device, config) / num_kv_heads)
@@ -486,7 +485,7 @@ def launch_attention(
             UPCAST=upcast,
             DOT_PRECISION=precision,
             PASS=which,
-            PERSISTENT=persistent and which == 2,
+            PERSISTENT=per_sm is not None and which == 2,
             INTERLEAVE=interleave and which == 0,
             TIMELINE=knobs.timeline is not None,
             num_warps=warps,
