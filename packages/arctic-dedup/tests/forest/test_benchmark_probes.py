@@ -8,24 +8,30 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[4] / "benchmarks"
 
 
-@pytest.mark.skipif(not (BENCHMARKS / "fca_loop_probe.py").exists(), reason="needs the repository's benchmarks/")
-def test_loop_probe_smoke_matches_torch(tmp_path: Path) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+def _smoke(script: str, out: Path) -> dict[str, Any]:
+    """Run ``benchmarks/<script> --smoke`` under the Triton interpreter; returns the results file it wrote."""
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "fca_loop_probe.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads((tmp_path / "fca_loop_probe.json").read_text())
+    result: dict[str, Any] = json.loads((out / script.replace(".py", ".json")).read_text())
+    return result
+
+
+@pytest.mark.skipif(not (BENCHMARKS / "fca_loop_probe.py").exists(), reason="needs the repository's benchmarks/")
+def test_loop_probe_smoke_matches_torch(tmp_path: Path) -> None:
+    result = _smoke("fca_loop_probe.py", tmp_path)
     rows = result["rows"]
     # Every id source on every smoke shape, each within fp32 rounding of plain torch attention.
     assert {row["ids"] for row in rows} == {"table_ahead", "table_chunk", "hashed", "contiguous"}
@@ -36,16 +42,7 @@ def test_loop_probe_smoke_matches_torch(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not (BENCHMARKS / "fca_flat_probe.py").exists(), reason="needs the repository's benchmarks/")
 def test_flat_probe_smoke_merges_to_torch(tmp_path: Path) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "fca_flat_probe.py"), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads((tmp_path / "fca_flat_probe.json").read_text())["rows"]
+    rows = _smoke("fca_flat_probe.py", tmp_path)["rows"]
     # The per-item launch and flat grids that split owners across programs (uneven runs included), each merged
     # back to plain torch attention within fp32 rounding.
     flat = [row for row in rows if row["form"].startswith("flat")]
@@ -59,14 +56,7 @@ def test_flat_probe_smoke_merges_to_torch(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not (BENCHMARKS / "fca_timeline.py").exists(), reason="needs the repository's benchmarks/")
 def test_timeline_summary_of_a_synthetic_timeline(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "fca_timeline.py"), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = {row["kind"]: row for row in json.loads((tmp_path / "fca_timeline.json").read_text())["rows"]}
+    rows = {row["kind"]: row for row in _smoke("fca_timeline.py", tmp_path)["rows"]}
     # Times from the first entry; the grid slot that never ran is left out; tags split prefix from suffix items.
     assert set(rows) == {"prefix item", "suffix item", "combine"}
     assert rows["prefix item"]["median_us"] == pytest.approx(19.4) and rows["prefix item"]["last_end_us"] == 21.0
