@@ -39,7 +39,8 @@ class LaunchTimeline:
     ``"prefix pass"``, ``"suffix pass"``, ``"combine"``): entry, start (after waiting for the launch before it),
     end, the multiprocessor it ran on, and a tag (the work item, -1 for a program without one; the request for the
     combine), times from the device's nanosecond clock. CUDA only: the Triton interpreter has no clock to read.
-    Buffers are made on first use and reused, so a captured graph rewrites them at every replay.
+    Buffers are made on first use and reused while the grid stays the same, so a captured graph rewrites them at
+    every replay.
     """
 
     launches: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -48,7 +49,8 @@ class LaunchTimeline:
         if device.type != "cuda" or interpreting():
             raise PlanError("a LaunchTimeline reads the GPU's clock: use it on a CUDA device, not the interpreter.")
         buffer = self.launches.get(name)
-        if buffer is None or buffer.shape[0] < programs or buffer.device != device:
+        # One row per program of this launch exactly: no rows left over from a larger launch of another plan.
+        if buffer is None or buffer.shape[0] != programs or buffer.device != device:
             buffer = torch.full((programs, 8), -1, dtype=torch.int64, device=device)
             self.launches[name] = buffer
         return buffer
