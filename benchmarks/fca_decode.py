@@ -609,6 +609,29 @@ def _variants() -> list[Variant]:
     # beside a 253-register prefix program: 64 K registers together.
     persistent2 = {"suffix_programs_per_sm": 2, "max_registers": 128, "prefix_max_registers": 255}
     return [
+        # Round 16 (predictions in forest/NOTES.md): each loop step's K/V copy waits for the page-id load before it,
+        # so a program has about one tile in flight; L2 prefetches a few steps ahead take DRAM off that chain.
+        *(
+            Variant(
+                f"v16_pf{steps}",
+                f"the default rule with K/V rows prefetched into L2 {steps} loop steps ahead (both passes)",
+                None,
+                DecodeKnobs(prefetch_steps=steps),
+            )
+            for steps in (2, 3, 4, 6, 8)
+        ),
+        Variant(
+            "v16_pf4_suffix",
+            "the default rule with the L2 prefetch 4 steps ahead in suffix (and per-request) items only",
+            None,
+            DecodeKnobs(prefetch_steps=4, prefix_prefetch_steps=0),
+        ),
+        Variant(
+            "v16_pf4_prefix",
+            "the default rule with the L2 prefetch 4 steps ahead in prefix items only",
+            None,
+            DecodeKnobs(prefetch_steps=0, prefix_prefetch_steps=4),
+        ),
         # Round 15 (predictions in forest/NOTES.md): the timeline shows the single group's one launch placing its
         # programs in same-kind pairs (56 SMs with two suffix programs, the critical path); alternate the kinds.
         Variant(
@@ -1216,7 +1239,10 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
     started = time.time()
     shape = SMOKE if args.smoke else H200
     specs = _cases(shape, args.smoke)
-    case_names = ["single_group_16x8704", "rl8x16_adjacent"]
+    case_names = [name for name in args.cases.split(",") if name]
+    unknown = sorted(set(case_names) - set(specs))
+    if unknown or not case_names:
+        raise SystemExit(f"--cases: unknown or no case names {unknown}; choose from {sorted(specs)}")
     variants = _variants()
     if args.only:
         variants = [v for v in variants if v.name in args.only.split(",")]
@@ -1379,6 +1405,11 @@ def main() -> None:
         "--jobs", type=int, default=None, help="--diagnose: precompiling processes (default 16; 0 none)"
     )
     parser.add_argument("--budget-s", type=float, default=170.0, help="--diagnose: skip variants after this")
+    parser.add_argument(
+        "--cases",
+        default="single_group_16x8704,rl8x16_adjacent",
+        help="--diagnose: comma-separated case names (e.g. add no_share_128x8704 for the per-request kernel)",
+    )
     parser.add_argument(
         "--paged-order", action="store_true", help="no sharing: fixed vs rebuilt per-request plan, alternating"
     )
