@@ -609,29 +609,6 @@ def _variants() -> list[Variant]:
     # beside a 253-register prefix program: 64 K registers together.
     persistent2 = {"suffix_programs_per_sm": 2, "max_registers": 128, "prefix_max_registers": 255}
     return [
-        # Round 16 (predictions in forest/NOTES.md): each loop step's K/V copy waits for the page-id load before it,
-        # so a program has about one tile in flight; L2 prefetches a few steps ahead take DRAM off that chain.
-        *(
-            Variant(
-                f"v16_pf{steps}",
-                f"the default rule with K/V rows prefetched into L2 {steps} loop steps ahead (both passes)",
-                None,
-                DecodeKnobs(prefetch_steps=steps),
-            )
-            for steps in (2, 3, 4, 6, 8)
-        ),
-        Variant(
-            "v16_pf4_suffix",
-            "the default rule with the L2 prefetch 4 steps ahead in suffix (and per-request) items only",
-            None,
-            DecodeKnobs(prefetch_steps=4, prefix_prefetch_steps=0),
-        ),
-        Variant(
-            "v16_pf4_prefix",
-            "the default rule with the L2 prefetch 4 steps ahead in prefix items only",
-            None,
-            DecodeKnobs(prefetch_steps=0, prefix_prefetch_steps=4),
-        ),
         # Round 15 (predictions in forest/NOTES.md): the timeline shows the single group's one launch placing its
         # programs in same-kind pairs (56 SMs with two suffix programs, the critical path); alternate the kinds.
         Variant(

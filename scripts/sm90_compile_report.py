@@ -108,7 +108,6 @@ def forest_report() -> None:
     shapes["PERSISTENT"] = False
     shapes["TIMELINE"] = False
     shapes["INTERLEAVE"] = False
-    shapes["PREFETCH"] = shapes["PREFIX_PREFETCH"] = int(os.environ.get("FOREST_PREFETCH", "0"))
     shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
     kernel = forest_kernels.forest_attention_kernel
     # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.

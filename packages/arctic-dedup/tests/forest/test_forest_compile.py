@@ -43,7 +43,7 @@ def _compile(kernel: object, constants: dict[str, object], num_warps: int, num_s
                 signature[name] = "fp32" if name == "scale_log2" else "i32"
             if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    for flag in ("PDL", "TIMELINE", "PERSISTENT", "INTERLEAVE", "PREFETCH", "PREFIX_PREFETCH"):
+    for flag in ("PDL", "TIMELINE", "PERSISTENT", "INTERLEAVE"):
         if flag in kernel.arg_names and flag not in constants:  # type: ignore[attr-defined]
             signature[flag], constexprs[flag] = "constexpr", 0
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -132,12 +132,6 @@ def _compile_all() -> None:
         ptx = compiled.asm["ptx"]  # type: ignore[attr-defined]
         assert ptx.count("%globaltimer") >= 3 and "%smid" in ptx, compiled.name  # type: ignore[attr-defined]
     assert "%globaltimer" not in forest.asm["ptx"]  # type: ignore[attr-defined]
-    # L2 prefetch: both item kinds of one launch prefetch their K and V rows ahead (in the loop and at the item's
-    # start); without it no prefetch is emitted, and the pipelined K/V buffers stay as they were.
-    prefetched = compile_attention(True, PREFETCH=3, PREFIX_PREFETCH=2)
-    assert prefetched.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") >= 8  # type: ignore[attr-defined]
-    assert prefetched.metadata.shared == forest.metadata.shared  # type: ignore[attr-defined]
-    assert "prefetch" not in forest.asm["ptx"]  # type: ignore[attr-defined]
     # Chained passes: the prefix pass waits before it lets the suffix pass start; the suffix pass waits last.
     prefix_ptx = compile_attention(True, PDL=2, PASS=1, PREFIX_BLOCK_N=64).asm["ptx"]  # type: ignore[attr-defined]
     assert 0 <= prefix_ptx.find("griddepcontrol.wait") < prefix_ptx.find("griddepcontrol.launch_dependents")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -111,16 +110,6 @@ def test_fused_combine_bf16_matches_reference(block_size: int, queries_per_kv: i
     _forest_decode_and_check(batch, queries_per_kv, config)
 
 
-@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN[1::2])
-def test_l2_prefetch_bf16_matches_reference(block_size: int, queries_per_kv: int, head_dim: int) -> None:
-    # ForestKernelConfig.prefetch_steps: every loop step also prefetches K/V rows ahead into L2 (sm_90+).
-    seed = block_size * 1000 + queries_per_kv * 10 + head_dim + 2
-    batch = _random_batch(seed, block_size, queries_per_kv, head_dim, max_query_len=1 + seed % 4)
-    for split in (False, True):
-        config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, split_passes=split, prefetch_steps=3)
-        _forest_decode_and_check(batch, queries_per_kv, config)
-
-
 def test_head_major_cache_and_fp32() -> None:
     batch = make_decode_batch(
         [300, 129], [[0, 40, 7], [3, 90]], queries_per_kv=4, head_dim=128, device="cuda", head_major_cache=True, seed=5
@@ -135,19 +124,12 @@ def test_head_major_cache_and_fp32() -> None:
         queries_per_kv=4,
         num_kv_heads=2,
     )
+    out, lse = forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.1)
     ref_out, ref_lse = reference_paged_attention(
         batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 0.1
     )
-    for prefetch in (0, 2):
-        out, lse = forest_decode(
-            batch.query,
-            batch.key_cache,
-            batch.value_cache,
-            replace(plan, config=replace(plan.config, prefetch_steps=prefetch)),
-            0.1,
-        )
-        assert ((out.cpu() - ref_out).norm() / ref_out.norm()).item() < 1e-4
-        assert torch.allclose(lse.cpu(), ref_lse, atol=1e-4)
+    assert ((out.cpu() - ref_out).norm() / ref_out.norm()).item() < 1e-4
+    assert torch.allclose(lse.cpu(), ref_lse, atol=1e-4)
 
 
 def test_no_sharing_equals_paged_decode_bitwise() -> None:
@@ -295,16 +277,7 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
 
 
 @pytest.mark.parametrize(
-    "variant",
-    [
-        "one_launch",
-        "side_stream",
-        "chained_passes",
-        "persistent_suffix",
-        "interleaved_items",
-        "prefetch",
-        "prefetch_one",
-    ],
+    "variant", ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items"]
 )
 def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant: str) -> None:
     # Programmatic dependent launch (sm_90+; elsewhere the config field is ignored and this is a plain run): plan and
@@ -332,7 +305,7 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
         for _ in range(2)
     ]
     config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
-    config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items", "prefetch_one"))
+    config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items"))
     knobs = {
         "chained_passes": DecodeKnobs(chain_passes=True),
         # Round 13: a fixed suffix grid, two programs per SM capped at 128 registers, chained after the prefix pass.
@@ -341,9 +314,6 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
         ),
         # Round 15: one launch, prefix and suffix items alternating over the programs.
         "interleaved_items": DecodeKnobs(interleave_items=True),
-        # Round 16: K/V rows prefetched into L2 ahead of the loop (split passes, and one launch of both kinds).
-        "prefetch": DecodeKnobs(prefetch_steps=3, prefix_prefetch_steps=2),
-        "prefetch_one": DecodeKnobs(prefetch_steps=2, prefix_prefetch_steps=4),
     }.get(variant, DecodeKnobs())
     outs = [torch.empty_like(layer.query) for layer in layers]
     lses = [torch.empty(layer.query.shape[:2], device="cuda") for layer in layers]

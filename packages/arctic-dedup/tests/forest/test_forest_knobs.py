@@ -187,15 +187,13 @@ def test_prefix_pass_needs_groups() -> None:
         ("max_registers", 8, "max_registers"),
         ("prefix_max_registers", 300, "prefix_max_registers"),
         ("suffix_programs_per_sm", 0, "suffix_programs_per_sm"),
-        ("prefetch_steps", -1, "prefetch_steps"),
-        ("prefix_prefetch_steps", -2, "prefix_prefetch_steps"),
     ],
 )
 def test_knobs_are_validated(field: str, value: int, message: str) -> None:
     arguments: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=message):
         DecodeKnobs(**arguments)
-    if field in ("combine_dim_block", "combine_num_warps", "combine_chunk_cap", "prefetch_steps"):
+    if field in ("combine_dim_block", "combine_num_warps", "combine_chunk_cap"):
         with pytest.raises(ValueError, match=message):
             ForestKernelConfig(**arguments)
 

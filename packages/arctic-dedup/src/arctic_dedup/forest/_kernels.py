@@ -458,49 +458,6 @@ def plan_paged_kernel(
 
 
 @triton.jit
-def _prefetch_rows(row_ptrs, row_ok, row_bytes):
-    # One bulk L2 prefetch per K or V row (sm_90+ ``cp.async.bulk.prefetch``): fire and forget, nothing waits for it.
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-        "=r,l,r,r",
-        [row_ptrs, row_ok.to(tl.int32), row_bytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_step(
-    k_ptr,
-    v_ptr,
-    block_row_ptr,
-    tokens,
-    token_end,
-    kv_head,
-    row_bytes,
-    stride_k_block,
-    stride_k_token,
-    stride_k_head,
-    stride_v_block,
-    stride_v_token,
-    stride_v_head,
-    PAGE: tl.constexpr,
-):
-    # The K and V rows of one later loop step, into L2: their page ids are an L2 hit, and no register waits for the
-    # rows, so the step's own loads later find them in L2 instead of waiting a DRAM round trip behind the id load.
-    token_ok = tokens < token_end
-    pages = tl.load(block_row_ptr + tokens // PAGE, mask=token_ok, other=0).to(tl.int64)
-    within = (tokens % PAGE).to(tl.int64)
-    _prefetch_rows(
-        k_ptr + pages * stride_k_block + within * stride_k_token + kv_head * stride_k_head, token_ok, row_bytes
-    )
-    _prefetch_rows(
-        v_ptr + pages * stride_v_block + within * stride_v_token + kv_head * stride_v_head, token_ok, row_bytes
-    )
-
-
-@triton.jit
 def _attend_block(
     q,
     k_ptr,
@@ -529,7 +486,6 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     dims = tl.arange(0, HEAD_DIM)
     dim_ok = dims < head_dim
@@ -541,27 +497,6 @@ def _attend_block(
     # the pipeliner again (one buffer per operand in the sm_90 build).
     next_tokens = token_start + tl.arange(0, BLOCK_N)
     next_pages = tl.load(block_row_ptr + next_tokens // PAGE, mask=next_tokens < token_end, other=0)
-    # PREFETCH > 0 (CUDA sm_90+ only): each step also prefetches the K/V rows PREFETCH steps ahead into L2, and the
-    # item's start prefetches its steps 1 .. PREFETCH - 1, so more of a program's bytes are in flight than the one
-    # tile the id chain allows.
-    row_bytes = head_dim * k_ptr.dtype.element_ty.primitive_bitwidth // 8
-    for ahead in tl.static_range(1, PREFETCH):
-        _prefetch_step(
-            k_ptr,
-            v_ptr,
-            block_row_ptr,
-            next_tokens + ahead * BLOCK_N,
-            token_end,
-            kv_head,
-            row_bytes,
-            stride_k_block,
-            stride_k_token,
-            stride_k_head,
-            stride_v_block,
-            stride_v_token,
-            stride_v_head,
-            PAGE,
-        )
     for token_base in range(token_start, token_end, BLOCK_N):
         tokens = token_base + tl.arange(0, BLOCK_N)
         token_ok = tokens < token_end
@@ -590,23 +525,6 @@ def _attend_block(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-        if PREFETCH > 0:
-            _prefetch_step(
-                k_ptr,
-                v_ptr,
-                block_row_ptr,
-                tokens + PREFETCH * BLOCK_N,
-                token_end,
-                kv_head,
-                row_bytes,
-                stride_k_block,
-                stride_k_token,
-                stride_k_head,
-                stride_v_block,
-                stride_v_token,
-                stride_v_head,
-                PAGE,
-            )
     return m_i, l_i, acc
 
 
@@ -662,7 +580,6 @@ def _prefix_item(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     split_tokens = tl.load(split_tokens_ptr)
     leader = tl.load(tile_leader_ptr + tile).to(tl.int64)
@@ -722,7 +639,6 @@ def _prefix_item(
         HEAD_DIM,
         UPCAST,
         DOT_PRECISION,
-        PREFETCH,
     )
     out, lse = _finish_rows(m_i, l_i, acc)
     row_index = ((work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head) * BLOCK_M + rows
@@ -786,7 +702,6 @@ def _suffix_item(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     split_tokens = tl.load(split_tokens_ptr + 1)
     seq_len = tl.load(seq_lens_ptr + request)
@@ -841,7 +756,6 @@ def _suffix_item(
         HEAD_DIM,
         UPCAST,
         DOT_PRECISION,
-        PREFETCH,
     )
     out, lse = _finish_rows(m_i, l_i, acc)
     direct = item_count == 1
@@ -994,8 +908,6 @@ def _run_item(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PREFIX_PREFETCH: tl.constexpr,
     PASS: tl.constexpr,
     ends,
     prefix_total,
@@ -1052,7 +964,6 @@ def _run_item(
             HEAD_DIM,
             UPCAST,
             DOT_PRECISION,
-            PREFIX_PREFETCH,
         )
     elif HAS_PREFIX and PASS == 0:
         if owner < num_requests:
@@ -1098,7 +1009,6 @@ def _run_item(
                 HEAD_DIM,
                 UPCAST,
                 DOT_PRECISION,
-                PREFIX_PREFETCH,
             )
         else:
             _suffix_item(
@@ -1156,7 +1066,6 @@ def _run_item(
                 HEAD_DIM,
                 UPCAST,
                 DOT_PRECISION,
-                PREFETCH,
             )
     else:
         _suffix_item(
@@ -1214,7 +1123,6 @@ def _run_item(
             HEAD_DIM,
             UPCAST,
             DOT_PRECISION,
-            PREFETCH,
         )
 
 
@@ -1278,8 +1186,6 @@ def forest_attention_kernel(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PREFIX_PREFETCH: tl.constexpr,
     PASS: tl.constexpr,
     PERSISTENT: tl.constexpr,
     INTERLEAVE: tl.constexpr,
@@ -1376,8 +1282,6 @@ def forest_attention_kernel(
                 HEAD_DIM,
                 UPCAST,
                 DOT_PRECISION,
-                PREFETCH,
-                PREFIX_PREFETCH,
                 PASS,
                 ends,
                 prefix_total,
@@ -1442,8 +1346,6 @@ def forest_attention_kernel(
             HEAD_DIM,
             UPCAST,
             DOT_PRECISION,
-            PREFETCH,
-            PREFIX_PREFETCH,
             PASS,
             ends,
             prefix_total,

@@ -82,9 +82,6 @@ class DecodeKnobs:
         interleave_items: a one-launch plan with groups alternates prefix and suffix items over the programs (even
             programs prefix items, odd ones suffix items) instead of all prefix items first.
         timeline: per-program timestamps of every launch (``LaunchTimeline``; CUDA only), ``None`` for none.
-        prefetch_steps: overrides ``ForestKernelConfig.prefetch_steps`` for both passes (``None``: the config's).
-        prefix_prefetch_steps: the prefix pass's (or a one-launch plan's prefix items') distance, overriding
-            ``prefetch_steps`` there (``None``: ``prefetch_steps``).
         chain_passes: with ``ForestKernelConfig.dependent_launches`` in effect and split passes, both passes stay on
             one stream instead of the side stream: the prefix pass waits for the plan before letting the suffix
             pass be scheduled, the suffix pass runs beside the prefix pass's last programs and waits for it only at
@@ -104,14 +101,8 @@ class DecodeKnobs:
     suffix_programs_per_sm: int | None = None
     interleave_items: bool = False
     timeline: LaunchTimeline | None = field(default=None, compare=False)
-    prefetch_steps: int | None = None
-    prefix_prefetch_steps: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("prefetch_steps", "prefix_prefetch_steps"):
-            steps = getattr(self, name)
-            if steps is not None and steps < 0:
-                raise ValueError(f"{name} must be >= 0 or None, got {steps}")
         from arctic_dedup.forest.plan import check_combine_shape
 
         check_combine_shape(self.combine_dim_block, self.combine_num_warps, self.combine_chunk_cap)
@@ -152,24 +143,6 @@ def dependent_launches(config: ForestKernelConfig, device: torch.device) -> bool
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _compute_capability(index) >= (9, 0)
-
-
-def prefetch_supported(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the attention loops may prefetch K/V rows into L2: a CUDA device of compute capability >= 9.0 (not
-    the interpreter) and caches whose head rows are contiguous, 16-byte aligned multiples of 16 bytes (what the bulk
-    prefetch instruction takes)."""
-    if key_cache.device.type != "cuda" or interpreting():
-        return False
-    index = key_cache.device.index if key_cache.device.index is not None else torch.cuda.current_device()
-    if _compute_capability(index) < (9, 0):
-        return False
-    for cache in (key_cache, value_cache):
-        size = cache.element_size()
-        if cache.stride(3) != 1 or cache.data_ptr() % 16 or any(stride * size % 16 for stride in cache.stride()[:3]):
-            return False
-        if cache.shape[3] * size % 16:
-            return False
-    return True
 
 
 def _pdl_options(enabled: bool, mode: int = 1) -> dict[str, Any]:
@@ -444,11 +417,6 @@ def launch_attention(
     if interleave:
         one_launch = 2 * max(plan.max_prefix_work, plan.max_suffix_work)
 
-    prefetch = knobs.prefetch_steps if knobs.prefetch_steps is not None else config.prefetch_steps
-    prefix_prefetch = knobs.prefix_prefetch_steps if knobs.prefix_prefetch_steps is not None else prefetch
-    if not prefetch_supported(key_cache, value_cache):
-        prefetch = prefix_prefetch = 0
-
     def launch(which: int) -> Any:
         programs = {0: one_launch, 1: plan.max_prefix_work, 2: suffix_slots}
         warps, stages = (prefix_warps, prefix_stages) if which == 1 else (num_warps, num_stages)
@@ -518,8 +486,6 @@ def launch_attention(
             HEAD_DIM=head_block,
             UPCAST=upcast,
             DOT_PRECISION=precision,
-            PREFETCH=prefetch,
-            PREFIX_PREFETCH=prefix_prefetch,
             PASS=which,
             PERSISTENT=per_sm is not None and which == 2,
             INTERLEAVE=interleave and which == 0,

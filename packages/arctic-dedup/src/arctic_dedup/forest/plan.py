@@ -102,10 +102,6 @@ class ForestKernelConfig:
             launch of the plan and the decode is scheduled while the launch before it on its stream finishes, and
             its programs wait on the device for that launch's results (same results, shorter launch gaps; also
             inside CUDA graphs). Ignored on other devices and under the Triton interpreter.
-        prefetch_steps: each step of an attention loop also asks L2 for the K/V rows this many steps ahead (a bulk
-            prefetch that no register waits for), and an item's start for its steps 1 .. ``prefetch_steps - 1``;
-            0 turns it off. CUDA devices of compute capability 9.0 and newer only (ignored elsewhere, under the
-            interpreter, and for caches whose rows are not contiguous 16-byte multiples); same results.
     """
 
     prefix_block_m: int = 64
@@ -123,11 +119,8 @@ class ForestKernelConfig:
     combine_num_warps: int = 4
     combine_chunk_cap: int = 16
     dependent_launches: bool = False
-    prefetch_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefetch_steps < 0:
-            raise ValueError(f"prefetch_steps must be >= 0 (0 turns the L2 prefetch off), got {self.prefetch_steps}")
         for name in ("prefix_block_m", "prefix_block_n", "suffix_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
