@@ -920,8 +920,16 @@ def _run_item(
     first = tl.load(work_start_ptr + owner)
     item = work - first
     item_count = tl.load(work_start_ptr + owner + 1) - first
-    # PASS is a constexpr, so a split launch compiles only its own item kind (its own tiles and shared memory).
+    # The item's kind is a constexpr wherever the launch holds one kind (PASS 1: prefix items; PASS 2, or a plan
+    # without groups: suffix items), so a split launch compiles only its own item kind (its own tiles and shared
+    # memory); one launch of a plan with groups decides per program.
     if PASS == 1:
+        is_prefix = True
+    elif HAS_PREFIX and PASS == 0:
+        is_prefix = owner < num_requests
+    else:
+        is_prefix = False
+    if is_prefix:
         _prefix_item(
             q_ptr,
             k_ptr,
@@ -965,108 +973,6 @@ def _run_item(
             UPCAST,
             DOT_PRECISION,
         )
-    elif HAS_PREFIX and PASS == 0:
-        if owner < num_requests:
-            _prefix_item(
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                block_table_ptr,
-                query_start_ptr,
-                tile_leader_ptr,
-                tile_prefix_blocks_ptr,
-                tile_member_start_ptr,
-                tile_member_count_ptr,
-                member_list_ptr,
-                split_tokens_ptr,
-                prefix_part_out_ptr,
-                prefix_part_lse_ptr,
-                owner,
-                item,
-                item_count,
-                work,
-                kv_head,
-                scale_log2,
-                stride_q_token,
-                stride_q_head,
-                stride_q_dim,
-                stride_k_block,
-                stride_k_token,
-                stride_k_head,
-                stride_k_dim,
-                stride_v_block,
-                stride_v_token,
-                stride_v_head,
-                stride_v_dim,
-                stride_table_row,
-                head_dim,
-                num_kv_heads,
-                G,
-                QMAX,
-                PAGE,
-                PREFIX_BLOCK_M,
-                PREFIX_BLOCK_N,
-                HEAD_DIM,
-                UPCAST,
-                DOT_PRECISION,
-            )
-        else:
-            _suffix_item(
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                block_table_ptr,
-                query_start_ptr,
-                seq_lens_ptr,
-                prefix_blocks_ptr,
-                tile_of_ptr,
-                slot_in_tile_ptr,
-                work_start_ptr,
-                split_tokens_ptr,
-                out_ptr,
-                lse_ptr,
-                suffix_part_out_ptr,
-                suffix_part_lse_ptr,
-                prefix_part_out_ptr,
-                prefix_part_lse_ptr,
-                (owner - num_requests).to(tl.int64),
-                item,
-                item_count,
-                work - prefix_total,
-                kv_head,
-                scale_log2,
-                stride_q_token,
-                stride_q_head,
-                stride_q_dim,
-                stride_k_block,
-                stride_k_token,
-                stride_k_head,
-                stride_k_dim,
-                stride_v_block,
-                stride_v_token,
-                stride_v_head,
-                stride_v_dim,
-                stride_table_row,
-                stride_out_token,
-                stride_out_head,
-                stride_out_dim,
-                stride_lse_token,
-                stride_lse_head,
-                head_dim,
-                num_kv_heads,
-                HAS_PREFIX,
-                FUSE,
-                G,
-                QMAX,
-                PAGE,
-                PREFIX_BLOCK_M,
-                SUFFIX_BLOCK_M,
-                ROWS,
-                SUFFIX_BLOCK_N,
-                HEAD_DIM,
-                UPCAST,
-                DOT_PRECISION,
-            )
     else:
         _suffix_item(
             q_ptr,
