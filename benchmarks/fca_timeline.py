@@ -35,13 +35,13 @@ from arctic_dedup.forest import ForestKernelConfig, ForestPlan
 from arctic_dedup.forest._launch import DecodeKnobs, LaunchTimeline, launch_forest_decode
 from arctic_dedup.forest.plan import default_forest_config
 
-# (case, variant): the library's default rule everywhere, and on RL-8x16 two scheduling variants of it.
+# (case, variant): the library's default rule everywhere, and the early combine (round 17) beside it.
 CASES = (
     ("single_group_16x8704", "default"),
-    ("single_group_16x8704", "interleaved_items"),
+    ("single_group_16x8704", "early_combine"),
     ("rl8x16_adjacent", "default"),
-    ("rl8x16_adjacent", "prefix_waves_4"),
-    ("rl8x16_adjacent", "chained_passes"),
+    ("rl8x16_adjacent", "early_combine"),
+    ("rl8x16_adjacent", "early_combine_chained"),
     ("no_share_128x8704", "default"),
 )
 # variant -> (changes to the default rule's config, launch knobs)
@@ -50,6 +50,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], DecodeKnobs]] = {
     "prefix_waves_4": ({"prefix_waves": 4.0}, DecodeKnobs()),
     "chained_passes": ({}, DecodeKnobs(chain_passes=True)),
     "interleaved_items": ({}, DecodeKnobs(interleave_items=True)),
+    "early_combine": ({"early_combine": True}, DecodeKnobs()),
+    "early_combine_chained": ({"early_combine": True}, DecodeKnobs(chain_passes=True)),
 }
 LAUNCH_ORDER = ("one launch", "prefix pass", "suffix pass", "combine")
 

@@ -105,7 +105,7 @@ def forest_report() -> None:
     pointers.update({name: "*fp32" for name in ("lse_ptr", "prefix_part_out_ptr", "prefix_part_lse_ptr")})
     pointers.update({name: "*fp32" for name in ("suffix_part_out_ptr", "suffix_part_lse_ptr")})
     shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0}
-    shapes.update(PERSISTENT=False, TIMELINE=False, INTERLEAVE=False)
+    shapes.update(PERSISTENT=False, TIMELINE=False, INTERLEAVE=False, EARLY=False)
     shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
     kernel = forest_kernels.forest_attention_kernel
     # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.
@@ -115,12 +115,19 @@ def forest_report() -> None:
         ints[f"stride_{cache}_dim"] = 1
     ints.update(stride_out_token=4096, stride_out_head=128, stride_out_dim=1, stride_lse_token=32, stride_lse_head=1)
     ints.update(num_requests=128, head_dim=128, num_kv_heads=8)
-    for pass_, label, prefix_n, suffix_n in (
-        (1, "prefix pass", 64, 32),
-        (2, "suffix pass", 64, 32),
-        (2, "suffix pass", 64, 64),
+    # The early combine's counting passes (dependent launches: PDL mode 2) next to the default ones, and the single
+    # group's one launch (both item kinds).
+    for pass_, label, prefix_n, suffix_n, early in (
+        (1, "prefix pass", 64, 32, False),
+        (2, "suffix pass", 64, 32, False),
+        (2, "suffix pass", 64, 64, False),
+        (1, "prefix pass, early combine", 64, 32, True),
+        (2, "suffix pass, early combine", 64, 32, True),
+        (0, "one launch", 64, 32, False),
+        (0, "one launch, early combine", 64, 32, True),
     ):
-        tiles = {**shapes, "PREFIX_BLOCK_N": prefix_n, "SUFFIX_BLOCK_N": suffix_n, "PASS": pass_}
+        tiles = {**shapes, "PREFIX_BLOCK_N": prefix_n, "SUFFIX_BLOCK_N": suffix_n, "PASS": pass_, "EARLY": early}
+        tiles["PDL"] = 2 if early else 0
         block_n = prefix_n if pass_ == 1 else suffix_n
         report(f"forest {label} bf16 block_n {block_n}", kernel, pointers, tiles, 4, ("scale_log2",), 3, ints)
     combine_pointers = {"*": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32"}
@@ -129,7 +136,7 @@ def forest_report() -> None:
     combine_ints.update(stride_lse_token=32, stride_lse_head=1, num_requests=128, head_dim=128, num_kv_heads=8)
     combine_ints.update(dim_chunks=1, suffix_part_offset=16 * 129 * 8 * 64)
     flags = {"HAS_PREFIX": True, "FUSE": False, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "PDL": 0}
-    flags["TIMELINE"] = False
+    flags.update(TIMELINE=False, EARLY=False, LOAD_CACHE="")
     combine = forest_kernels.forest_combine_kernel
     # ForestKernelConfig()'s combine (4 warps, whole heads, 16 partials at a time), the variants fca_decode.py
     # --diagnose timed, and the default rule's (1 warp, 64-dim halves, 8 partials at a time).
@@ -139,6 +146,9 @@ def forest_report() -> None:
         sliced = combine_ints if dims == 128 else {**combine_ints, "dim_chunks": 128 // dims}
         tiles = {**flags, "CHUNK": chunk, "DIM_BLOCK": dims}
         report(label, combine, combine_pointers, tiles, warps, (), 3, sliced)
+    early = {**flags, "CHUNK": 8, "DIM_BLOCK": 64, "EARLY": True, "LOAD_CACHE": ".cg", "PDL": 3}
+    report("forest combine 1 warps chunk 8 dims 64, early", combine, combine_pointers, early, 1, (), 3,
+           {**combine_ints, "dim_chunks": 2})  # fmt: skip
 
 
 def _emit(line: str) -> None:

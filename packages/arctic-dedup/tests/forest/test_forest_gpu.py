@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -370,3 +371,91 @@ def test_launch_timeline_records_every_program() -> None:
     tags = torch.cat([timeline.launches[name][:, 4] for name in ("prefix pass", "suffix pass")])
     # Every work item once per kv head (its kv heads are neighbouring programs).
     assert sorted(tags[tags >= 0].tolist()) == sorted(list(range(items)) * plan.num_kv_heads)
+
+
+@pytest.mark.parametrize("variant", ["one_launch", "side_stream", "chained_passes", "combine_slices", "paged"])
+def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant: str) -> None:
+    # ForestKernelConfig.early_combine: combine programs wait on per-(request, kv head) counts and run beside the
+    # attention launch. Plan and three layers in a CUDA graph, replayed again and again: every replay must give the
+    # same bits as the first, the plain combine's bits (the same merge in the same order), and leave the counts 0.
+    from dataclasses import replace
+
+    from test_forest_decode import _plan
+
+    from arctic_dedup.forest._launch import DecodeKnobs, launch_forest_decode
+
+    rng = random.Random(23)
+    # Enough requests for several waves of attention programs, so that combine programs wait beside them.
+    prefix_lens = [rng.randint(600, 2400) for _ in range(6)]
+    suffix_lens = [[rng.randint(0, 400) for _ in range(rng.randint(1, 16))] for _ in prefix_lens]
+    first = make_decode_batch(
+        prefix_lens, suffix_lens, queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=23
+    )
+    layers = [first] + [
+        replace(
+            first,
+            query=torch.randn_like(first.query),
+            key_cache=torch.randn_like(first.key_cache),
+            value_cache=torch.randn_like(first.value_cache),
+        )
+        for _ in range(2)
+    ]
+    base = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
+    base = replace(base, split_passes=variant in ("side_stream", "chained_passes"))
+    if variant == "combine_slices":
+        base = replace(base, combine_dim_block=32, combine_num_warps=1, combine_chunk_cap=4)
+    knobs = DecodeKnobs(chain_passes=True) if variant == "chained_passes" else DecodeKnobs()
+
+    def run(config: ForestKernelConfig) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+        outs = [torch.full_like(layer.query, float("nan")) for layer in layers]
+        lses = [torch.full(layer.query.shape[:2], float("nan"), device="cuda") for layer in layers]
+        holder: list[Any] = []
+
+        def step() -> None:
+            if variant == "paged":
+                plan = plan_paged(
+                    first.block_table,
+                    first.seq_lens,
+                    first.query_start_loc,
+                    block_size=first.key_cache.shape[1],
+                    max_query_len=first.max_query_len,
+                    queries_per_kv=4,
+                    num_kv_heads=first.key_cache.shape[2],
+                    config=replace(config, waves=4.0),
+                )
+            else:
+                plan = _plan(first, 4, config)
+            holder[:] = [plan]
+            for layer, out, lse in zip(layers, outs, lses, strict=True):
+                launch_forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1, out, lse, knobs)
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return outs, lses, (graph, holder)
+
+    plain_outs, plain_lses, (plain_graph, _) = run(base)
+    early_outs, early_lses, (early_graph, holder) = run(replace(base, early_combine=True))
+    for replay in range(20):
+        # Fresh values every replay: a combine that merged a partial before it was written would read the last
+        # replay's (different) values and miss the plain combine's bits.
+        for layer in layers:
+            layer.query.normal_()
+            layer.key_cache.normal_()
+            layer.value_cache.normal_()
+        plain_graph.replay()
+        torch.cuda.synchronize()
+        expected = [(out.clone(), lse.clone()) for out, lse in zip(plain_outs, plain_lses, strict=True)]
+        if replay == 0:
+            for layer, (out, lse) in zip(layers, expected, strict=True):
+                _check(out, lse, layer, 0.1)
+        for out, lse in zip(early_outs, early_lses, strict=True):
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        early_graph.replay()
+        torch.cuda.synchronize()
+        for (out, lse), (want_out, want_lse) in zip(zip(early_outs, early_lses, strict=True), expected, strict=True):
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"replay {replay}"
+        assert not holder[0].combine_ready.any()

@@ -63,6 +63,13 @@ def _end_after_previous_launch(PDL: tl.constexpr):
 
 
 @triton.jit
+def _back_off():
+    # A program waiting on a count sleeps a little between polls, leaving its multiprocessor's issue slots to the
+    # attention programs beside it (sm_70+).
+    tl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _timestamp(TIMELINE: tl.constexpr):
     # The device's nanosecond clock (common to all multiprocessors), read only by timeline builds.
     if TIMELINE:
@@ -202,6 +209,8 @@ def _finish_plan(
     work_start_ptr,
     split_tokens_ptr,
     stats_ptr,
+    ready_ptr,
+    ready_count,
     num_requests,
     block_size,
     min_group_size,
@@ -216,6 +225,9 @@ def _finish_plan(
     BLOCK_R: tl.constexpr,
 ):
     requests = tl.arange(0, BLOCK_R)
+    # The early combine's per-(request, kv head) counts start every decode call of this plan at zero.
+    for ready_start in range(0, ready_count, BLOCK_R):
+        tl.store(ready_ptr + ready_start + requests, 0, mask=ready_start + requests < ready_count)
     in_batch = requests < num_requests
     seq_lens = tl.load(seq_lens_ptr + requests, mask=in_batch, other=0)
     if GROUPED:
@@ -316,6 +328,8 @@ def plan_group_kernel(
     work_start_ptr,
     split_tokens_ptr,
     stats_ptr,
+    ready_ptr,
+    ready_count,
     stride_table_row,
     max_blocks,
     num_cache_blocks,
@@ -385,6 +399,8 @@ def plan_group_kernel(
             work_start_ptr,
             split_tokens_ptr,
             stats_ptr,
+            ready_ptr,
+            ready_count,
             num_requests,
             block_size,
             min_group_size,
@@ -411,6 +427,8 @@ def plan_paged_kernel(
     work_start_ptr,
     split_tokens_ptr,
     stats_ptr,
+    ready_ptr,
+    ready_count,
     num_requests,
     block_size,
     suffix_target_items,
@@ -439,6 +457,8 @@ def plan_paged_kernel(
         work_start_ptr,
         split_tokens_ptr,
         stats_ptr,
+        ready_ptr,
+        ready_count,
         num_requests,
         block_size,
         2,
@@ -552,6 +572,7 @@ def _prefix_item(
     split_tokens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    ready_ptr,
     tile,
     item,
     item_count,
@@ -580,6 +601,7 @@ def _prefix_item(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     split_tokens = tl.load(split_tokens_ptr)
     leader = tl.load(tile_leader_ptr + tile).to(tl.int64)
@@ -644,6 +666,12 @@ def _prefix_item(
     row_index = ((work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head) * BLOCK_M + rows
     tl.store(part_out_ptr + row_index[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(part_lse_ptr + row_index, lse, mask=row_ok)
+    if EARLY:
+        # Every thread's partial rows are stored before any count is released, then each member of the tile counts
+        # this item done (its first row's lane).
+        tl.debug_barrier()
+        counts_member = member_ok & (rows % (QMAX * G) == 0)
+        tl.atomic_add(ready_ptr + member * num_kv_heads + kv_head, 1, mask=counts_member, sem="release")
 
 
 @triton.jit
@@ -665,6 +693,7 @@ def _suffix_item(
     part_lse_ptr,
     prefix_part_out_ptr,
     prefix_part_lse_ptr,
+    ready_ptr,
     request,
     item,
     item_count,
@@ -702,6 +731,7 @@ def _suffix_item(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     split_tokens = tl.load(split_tokens_ptr + 1)
     seq_len = tl.load(seq_lens_ptr + request)
@@ -801,6 +831,9 @@ def _suffix_item(
             part_out_ptr + row_index[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :]
         )
         tl.store(part_lse_ptr + row_index, lse, mask=row_ok)
+        if EARLY:
+            tl.debug_barrier()
+            tl.atomic_add(ready_ptr + request * num_kv_heads + kv_head, 1, sem="release")
 
 
 @triton.jit
@@ -874,6 +907,7 @@ def _run_item(
     prefix_part_lse_ptr,
     suffix_part_out_ptr,
     suffix_part_lse_ptr,
+    ready_ptr,
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -909,6 +943,7 @@ def _run_item(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
+    EARLY: tl.constexpr,
     ends,
     prefix_total,
     work,
@@ -944,6 +979,7 @@ def _run_item(
             split_tokens_ptr,
             prefix_part_out_ptr,
             prefix_part_lse_ptr,
+            ready_ptr,
             owner,
             item,
             item_count,
@@ -972,6 +1008,7 @@ def _run_item(
             HEAD_DIM,
             UPCAST,
             DOT_PRECISION,
+            EARLY,
         )
     else:
         _suffix_item(
@@ -992,6 +1029,7 @@ def _run_item(
             suffix_part_lse_ptr,
             prefix_part_out_ptr,
             prefix_part_lse_ptr,
+            ready_ptr,
             (owner - num_requests).to(tl.int64),
             item,
             item_count,
@@ -1029,6 +1067,7 @@ def _run_item(
             HEAD_DIM,
             UPCAST,
             DOT_PRECISION,
+            EARLY,
         )
 
 
@@ -1056,6 +1095,7 @@ def forest_attention_kernel(
     prefix_part_lse_ptr,
     suffix_part_out_ptr,
     suffix_part_lse_ptr,
+    ready_ptr,
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -1093,6 +1133,7 @@ def forest_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
+    EARLY: tl.constexpr,
     PERSISTENT: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     TIMELINE: tl.constexpr,
@@ -1154,6 +1195,7 @@ def forest_attention_kernel(
                 prefix_part_lse_ptr,
                 suffix_part_out_ptr,
                 suffix_part_lse_ptr,
+                ready_ptr,
                 scale_log2,
                 stride_q_token,
                 stride_q_head,
@@ -1189,6 +1231,7 @@ def forest_attention_kernel(
                 UPCAST,
                 DOT_PRECISION,
                 PASS,
+                EARLY,
                 ends,
                 prefix_total,
                 slot_work,
@@ -1218,6 +1261,7 @@ def forest_attention_kernel(
             prefix_part_lse_ptr,
             suffix_part_out_ptr,
             suffix_part_lse_ptr,
+            ready_ptr,
             scale_log2,
             stride_q_token,
             stride_q_head,
@@ -1253,6 +1297,7 @@ def forest_attention_kernel(
             UPCAST,
             DOT_PRECISION,
             PASS,
+            EARLY,
             ends,
             prefix_total,
             work,
@@ -1272,6 +1317,7 @@ def forest_combine_kernel(
     work_start_ptr,
     part_out_ptr,
     part_lse_ptr,
+    ready_ptr,
     suffix_part_offset,
     stride_out_token,
     stride_out_head,
@@ -1291,10 +1337,14 @@ def forest_combine_kernel(
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
     DIM_BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,
+    LOAD_CACHE: tl.constexpr,
     TIMELINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     entry = _timestamp(TIMELINE)
+    # With EARLY (PDL 3) nothing waits here: each program waits for its own request's items below, and for the
+    # attention launch as a whole only at its end, so that this launch ending still implies that one ended.
     _follow_previous_launch(PDL)
     start = _timestamp(TIMELINE)
     # One program per (request, kv head, slice of DIM_BLOCK head dims): narrower slices give more programs, each
@@ -1303,17 +1353,18 @@ def forest_combine_kernel(
     dim_chunk = pid % dim_chunks
     request = pid // (num_kv_heads * dim_chunks)
     kv_head = (pid // dim_chunks) % num_kv_heads
-    # Everything this program needs that depends only on the request is loaded in one round.
-    suffix_first = tl.load(work_start_ptr + num_requests + request)
-    suffix_count = tl.load(work_start_ptr + num_requests + request + 1) - suffix_first
-    suffix_base = suffix_first - tl.load(work_start_ptr + num_requests)
-    query_begin = tl.load(query_start_ptr + request)
-    query_len = tl.load(query_start_ptr + request + 1) - query_begin
+    # Everything this program needs that depends only on the request is loaded in one round. An early combine reads
+    # around L1 (LOAD_CACHE ".cg"): it runs beside the attention launch, which writes the partials it merges.
+    suffix_first = tl.load(work_start_ptr + num_requests + request, cache_modifier=LOAD_CACHE)
+    suffix_count = tl.load(work_start_ptr + num_requests + request + 1, cache_modifier=LOAD_CACHE) - suffix_first
+    suffix_base = suffix_first - tl.load(work_start_ptr + num_requests, cache_modifier=LOAD_CACHE)
+    query_begin = tl.load(query_start_ptr + request, cache_modifier=LOAD_CACHE)
+    query_len = tl.load(query_start_ptr + request + 1, cache_modifier=LOAD_CACHE) - query_begin
     tile = tl.full([], -1, dtype=tl.int32)
     slot = tl.zeros([], dtype=tl.int32)
     if HAS_PREFIX:
-        tile = tl.load(tile_of_ptr + request)
-        slot = tl.load(slot_in_tile_ptr + request)
+        tile = tl.load(tile_of_ptr + request, cache_modifier=LOAD_CACHE)
+        slot = tl.load(slot_in_tile_ptr + request, cache_modifier=LOAD_CACHE)
     # A request whose context was one suffix item was written by the attention kernel itself; with FUSE, so was
     # every request whose suffix was one item (its prefix partials merged there).
     needed = (tile >= 0) | (suffix_count != 1)
@@ -1323,8 +1374,18 @@ def forest_combine_kernel(
         prefix_first = tl.zeros([], dtype=tl.int32)
         prefix_count = tl.zeros([], dtype=tl.int32)
         if tile >= 0:
-            prefix_first = tl.load(work_start_ptr + tile)
-            prefix_count = tl.load(work_start_ptr + tile + 1) - prefix_first
+            prefix_first = tl.load(work_start_ptr + tile, cache_modifier=LOAD_CACHE)
+            prefix_count = tl.load(work_start_ptr + tile + 1, cache_modifier=LOAD_CACHE) - prefix_first
+        ready_at = ready_ptr + request * num_kv_heads + kv_head
+        if EARLY and PDL != 0:
+            # Every item of this request (its tile's prefix items and its own suffix items) adds one once its
+            # partial is stored; the acquire makes those partials visible here. Without dependent launches (the
+            # interpreter, plain launches) this launch starts after the attention launch ended: nothing to wait for.
+            done = tl.atomic_add(ready_at, 0, sem="acquire")
+            while done < prefix_count + suffix_count:
+                _back_off()
+                done = tl.atomic_add(ready_at, 0, sem="acquire")
+            start = _timestamp(TIMELINE)
         rows = tl.arange(0, ROWS)
         query_offset = rows // G
         head = kv_head * G + rows % G
@@ -1349,11 +1410,12 @@ def forest_combine_kernel(
             base = tl.where(from_prefix, prefix_row, suffix_row)
             row_index = base[:, None] + rows[None, :]
             mask = item_ok[:, None] & row_ok[None, :]
-            part_lse = tl.load(part_lse_ptr + row_index, mask=mask, other=float("-inf"))
+            part_lse = tl.load(part_lse_ptr + row_index, mask=mask, other=float("-inf"), cache_modifier=LOAD_CACHE)
             part = tl.load(
                 part_out_ptr + row_index[:, :, None] * head_dim + dims[None, None, :],
                 mask=mask[:, :, None] & dim_ok[None, None, :],
                 other=0.0,
+                cache_modifier=LOAD_CACHE,
             )
             new_max = tl.maximum(run_max, tl.max(part_lse, 0))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -1378,4 +1440,11 @@ def forest_combine_kernel(
         )
         lse_offsets = token * stride_lse_token + head.to(tl.int64) * stride_lse_head
         tl.store(lse_ptr + lse_offsets, lse, mask=row_ok & (dim_chunk == 0))
+        if EARLY:
+            # The request's last combine program to arrive (one per slice of head dims) clears its count for the
+            # next decode call; every other slice has already read it complete.
+            arrived = tl.atomic_add(ready_at, 1, sem="relaxed")
+            if arrived == prefix_count + suffix_count + dim_chunks - 1:
+                tl.atomic_xchg(ready_at, 0, sem="relaxed")
     _record_timeline(timeline_ptr, entry, start, request, TIMELINE)
+    _end_after_previous_launch(PDL)

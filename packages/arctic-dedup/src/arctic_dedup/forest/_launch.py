@@ -233,6 +233,8 @@ def launch_plan(
             views["work_start"],
             views["split_tokens"],
             views["num_groups"],
+            views["combine_ready"],
+            views["combine_ready"].numel(),
             num_requests,
             block_size,
             sizes.suffix_target_items,
@@ -306,6 +308,8 @@ def launch_plan(
         views["work_start"],
         views["split_tokens"],
         views["num_groups"],
+        views["combine_ready"],
+        views["combine_ready"].numel(),
         block_table.stride(0),
         max_blocks,
         workspace.num_cache_blocks,
@@ -389,6 +393,11 @@ def launch_attention(
             "a plan with fuse_combine runs the prefix pass, then the suffix pass (passes=(1, 2)); got "
             f"passes={passes}. Leave passes unset, or plan with fuse_combine=False."
         )
+    if early_combine(plan) and passes not in ((0,), (1, 2)):
+        raise PlanError(
+            f"a plan with early_combine counts every attention item for the combine that follows; passes={passes} "
+            "would leave counts behind. Run all items (leave passes unset), or plan with early_combine=False."
+        )
     if 1 in passes and not plan.shares:
         raise PlanError("a prefix pass needs a plan with groups (plan_forest), got a plan without (plan_paged).")
     table = plan.block_table
@@ -402,6 +411,11 @@ def launch_attention(
     pdl = dependent_launches(config, query.device)
     # The suffix pass reads nothing the prefix pass writes: chained, it starts beside the prefix pass's last wave.
     chain = pdl and knobs.chain_passes and not fuse and passes == (1, 2)
+    early = early_combine(plan)
+    # An early combine starts before this launch ends and reads the plan at once: every attention launch waits for
+    # the plan before it lets the next launch be scheduled (PDL mode 2), so a combine program that runs implies a
+    # finished plan.
+    plain_mode = 2 if early else 1
 
     # A persistent suffix pass: a fixed grid of slots (each a group of kv-head programs) loops over the items.
     suffix_slots = plan.max_suffix_work
@@ -450,6 +464,7 @@ def launch_attention(
             partials.lse,
             partials.out[prefix_rows * head_dim :],
             partials.lse[prefix_rows:],
+            plan.combine_ready,
             scale_log2,
             q_strides[0],
             q_strides[1],
@@ -487,12 +502,13 @@ def launch_attention(
             UPCAST=upcast,
             DOT_PRECISION=precision,
             PASS=which,
+            EARLY=early,
             PERSISTENT=per_sm is not None and which == 2,
             INTERLEAVE=interleave and which == 0,
             TIMELINE=knobs.timeline is not None,
             num_warps=warps,
             num_stages=stages,
-            **_pdl_options(pdl, {1: 2, 2: 3}[which] if chain else 1),
+            **_pdl_options(pdl, {1: 2, 2: 3}[which] if chain else plain_mode),
             **limits,
         )
 
@@ -515,6 +531,12 @@ def fused_combine(plan: ForestPlan) -> bool:
     return plan.config.fuse_combine and plan.shares
 
 
+def early_combine(plan: ForestPlan) -> bool:
+    """Whether attention items count themselves done and combine programs wait for their own request's count
+    instead of the whole attention launch (``ForestKernelConfig.early_combine``; not with a fused combine)."""
+    return plan.config.early_combine and not fused_combine(plan)
+
+
 def launch_combine(
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -528,6 +550,7 @@ def launch_combine(
 
     head_block = max(16, _next_power_of_two(head_dim))
     config = plan.config
+    early = early_combine(plan)
     dim_block = min(head_block, knobs.combine_dim_block or config.combine_dim_block or head_block)
     num_warps = knobs.combine_num_warps if knobs.combine_num_warps is not None else config.combine_num_warps
     dim_chunks = head_block // dim_block
@@ -545,6 +568,7 @@ def launch_combine(
         plan.work_start,
         partials.out,
         partials.lse,
+        plan.combine_ready,
         partials.prefix_rows,
         out.stride(0),
         out.stride(1),
@@ -564,9 +588,12 @@ def launch_combine(
         ROWS=rows,
         CHUNK=chunk,
         DIM_BLOCK=dim_block,
+        EARLY=early,
+        LOAD_CACHE=".cg" if early else "",
         TIMELINE=knobs.timeline is not None,
         num_warps=num_warps,
-        **_pdl_options(dependent_launches(config, out.device)),
+        # An early combine lets the next launch be scheduled at once and waits for the attention launch at its end.
+        **_pdl_options(dependent_launches(config, out.device), 3 if early else 1),
     )
 
 

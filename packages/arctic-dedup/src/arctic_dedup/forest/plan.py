@@ -102,6 +102,11 @@ class ForestKernelConfig:
             launch of the plan and the decode is scheduled while the launch before it on its stream finishes, and
             its programs wait on the device for that launch's results (same results, shorter launch gaps; also
             inside CUDA graphs). Ignored on other devices and under the Triton interpreter.
+        early_combine: every attention item that writes a partial then counts itself done for its requests
+            (``ForestPlan.combine_ready``), and each combine program merges its request as soon as that count is
+            complete instead of after the whole attention launch; with dependent launches the combine then runs
+            under the attention's last programs (same results; the last program to merge a request clears its
+            count again). Ignored with ``fuse_combine``.
     """
 
     prefix_block_m: int = 64
@@ -119,6 +124,7 @@ class ForestKernelConfig:
     combine_num_warps: int = 4
     combine_chunk_cap: int = 16
     dependent_launches: bool = False
+    early_combine: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefix_block_m", "prefix_block_n", "suffix_block_n"):
@@ -188,6 +194,9 @@ class ForestPlan:
     of ``split_tokens[0]`` tokens), owners ``N..2N-1`` are requests (suffix items of ``split_tokens[1]`` tokens); a
     remainder under an eighth of a split joins the owner's last item.
     Stats (int32 ``[1]`` views): ``num_groups``, ``num_grouped_requests``, ``saved_block_reads`` (per kv head, layer).
+    ``combine_ready [N * H_kv]``: per (request, kv head), the attention items done so far in a decode call with
+    ``ForestKernelConfig.early_combine``; zero after planning and again after every such call, so the decode calls
+    of one plan must run in stream order.
     """
 
     block_table: torch.Tensor
@@ -207,6 +216,7 @@ class ForestPlan:
     num_groups: torch.Tensor
     num_grouped_requests: torch.Tensor
     saved_block_reads: torch.Tensor
+    combine_ready: torch.Tensor
     block_size: int
     max_query_len: int
     queries_per_kv: int
@@ -360,7 +370,7 @@ def _find_groups(
     return leader, prefix, grouped
 
 
-def _plan_buffers(num_requests: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _plan_buffers(num_requests: int, num_kv_heads: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Every per-step output of the planner as views of one int32 allocation (no kernel launch)."""
     names = (
         "prefix_blocks",
@@ -374,7 +384,8 @@ def _plan_buffers(num_requests: int, device: torch.device) -> dict[str, torch.Te
         "member_list",
     )
     per_request = len(names) * num_requests
-    buffer = torch.empty(per_request + 2 * num_requests + 1 + 2 + 3, dtype=torch.int32, device=device)
+    ready = num_requests * num_kv_heads
+    buffer = torch.empty(per_request + 2 * num_requests + 1 + 2 + 3 + ready, dtype=torch.int32, device=device)
     views = {name: buffer[i * num_requests : (i + 1) * num_requests] for i, name in enumerate(names)}
     views["work_start"] = buffer[per_request : per_request + 2 * num_requests + 1]
     tail = per_request + 2 * num_requests + 1
@@ -382,6 +393,7 @@ def _plan_buffers(num_requests: int, device: torch.device) -> dict[str, torch.Te
     views["num_groups"] = buffer[tail + 2 : tail + 3]
     views["num_grouped_requests"] = buffer[tail + 3 : tail + 4]
     views["saved_block_reads"] = buffer[tail + 4 : tail + 5]
+    views["combine_ready"] = buffer[tail + 5 : tail + 5 + ready]
     return views
 
 
@@ -452,6 +464,7 @@ def _fill_torch(
     views["num_grouped_requests"].copy_(grouped.sum().reshape(1).to(torch.int32))
     saved = prefix.sum() - torch.where(is_leader, prefix, 0).sum()
     views["saved_block_reads"].copy_(saved.reshape(1).to(torch.int32))
+    views["combine_ready"].zero_()
 
 
 def _build(
@@ -473,7 +486,7 @@ def _build(
     device = block_table.device
     num_requests = block_table.shape[0]
     sizes = _sizes(num_requests, device, max_query_len, queries_per_kv, num_kv_heads, config, grouping is not None)
-    views = _plan_buffers(num_requests, device)
+    views = _plan_buffers(num_requests, num_kv_heads, device)
     seq = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     if resolve_backend(backend, block_table) == "triton":

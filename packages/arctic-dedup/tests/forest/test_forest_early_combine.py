@@ -1,0 +1,190 @@
+"""The early combine (``ForestKernelConfig.early_combine``): attention items count themselves done per (request, kv
+head) and each combine program merges its request once that count is complete. On the CPU (interpreter) every
+launch ends before the next starts, so these tests check the results, the counts and their clearing; the GPU tests
+check the same under dependent launches, where the combine runs beside the attention launch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_forest_decode import SMALL, _assert_close, _plan, _poisoned, _reference
+from test_forest_knobs import LATIN, _random_forest, _small
+
+from arctic_dedup.errors import PlanError
+from arctic_dedup.forest import ForestKernelConfig, ForestPlan, plan_paged
+from arctic_dedup.forest import plan as plan_module
+from arctic_dedup.forest._launch import (
+    DecodeKnobs,
+    allocate_partials,
+    early_combine,
+    launch_attention,
+    launch_combine,
+    launch_forest_decode,
+)
+from arctic_dedup.forest.plan import default_forest_config
+from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
+
+EARLY = replace(SMALL, early_combine=True)
+# (config, knobs): every launch layout the early combine must work with.
+LAYOUTS = {
+    "one_launch": (EARLY, DecodeKnobs()),
+    "split_side_stream": (replace(EARLY, split_passes=True), DecodeKnobs(side_stream=True)),
+    "chained": (replace(EARLY, split_passes=True, dependent_launches=True), DecodeKnobs(chain_passes=True)),
+    "persistent_suffix": (EARLY, DecodeKnobs(split_passes=True, suffix_programs_per_sm=1)),
+    "interleaved": (EARLY, DecodeKnobs(interleave_items=True)),
+    # Two or four combine programs per (request, kv head): the last slice to arrive clears the count.
+    "combine_slices": (replace(EARLY, combine_dim_block=16, combine_num_warps=1, combine_chunk_cap=2), DecodeKnobs()),
+    "default_rule_one_wave": (_small(replace(default_forest_config(16, 8, 132), early_combine=True)), DecodeKnobs()),
+    "default_rule_split": (_small(replace(default_forest_config(128, 8, 132), early_combine=True)), DecodeKnobs()),
+}
+
+
+def _expected_counts(plan: ForestPlan) -> torch.Tensor:
+    """Per (request, kv head): its tile's prefix items plus its own suffix items, for requests the combine merges."""
+    requests = plan.num_requests
+    work = plan.work_start.long()
+    tile = plan.tile_of.long()
+    suffix_items = work[requests + 1 :] - work[requests:-1]
+    prefix_items = torch.where(tile >= 0, work[tile.clamp_min(0) + 1] - work[tile.clamp_min(0)], 0)
+    merged = (tile >= 0) | (suffix_items != 1)
+    counts = torch.where(merged, prefix_items + suffix_items, 0)
+    return counts.repeat_interleave(plan.num_kv_heads).to(torch.int32)
+
+
+def _decode(batch: DecodeBatch, plan: ForestPlan, knobs: DecodeKnobs) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _poisoned(batch)
+    scale = batch.query.shape[2] ** -0.5
+    launch_forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, scale, out, lse, knobs)
+    return out, lse
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN[::2])
+def test_early_combine_matches_reference_and_leaves_counts_zero(
+    layout: str, block_size: int, queries_per_kv: int, head_dim: int
+) -> None:
+    config, knobs = LAYOUTS[layout]
+    batch = _random_forest(
+        13 * block_size + queries_per_kv + head_dim + len(layout), block_size, queries_per_kv, head_dim
+    )
+    plan = _plan(batch, queries_per_kv, config=config)
+    assert early_combine(plan)
+    scale = batch.query.shape[2] ** -0.5
+    # Two calls with one plan: the second starts from the counts the first left behind.
+    for _ in range(2):
+        out, lse = _decode(batch, plan, knobs)
+        _assert_close(out, lse, _reference(batch, scale), 1e-5)
+        assert not plan.combine_ready.any()
+
+
+@pytest.mark.parametrize("passes", [(0,), (1, 2)])
+def test_attention_counts_every_item_per_request_and_the_combine_clears_them(passes: tuple[int, ...]) -> None:
+    # Groups of one and of several, tiles of several members, split prefixes and suffixes, a request read whole.
+    batch = make_decode_batch(
+        [70, 45, 33], [[40, 9, 0, 3], [12, 1, 7], [2]], query_lens=[[1, 2, 1, 1], [3, 1, 1], [1]], queries_per_kv=2
+    )
+    config = replace(EARLY, combine_dim_block=16, combine_num_warps=1, waves=8.0)
+    plan = _plan(batch, 2, config=config)
+    expected = _expected_counts(plan)
+    assert expected.max() > 1 and (expected == 0).any(), "the batch must hold merged and directly written requests"
+    out, lse = _poisoned(batch)
+    scale = batch.query.shape[2] ** -0.5
+    partials = allocate_partials(plan, batch.query.shape[2], batch.query.device)
+    launch_attention(batch.query, batch.key_cache, batch.value_cache, plan, scale, out, lse, partials, passes=passes)
+    assert torch.equal(plan.combine_ready, expected)
+    launch_combine(out, lse, plan, partials, batch.query.shape[2])
+    assert not plan.combine_ready.any()
+    _assert_close(out, lse, _reference(batch, scale), 1e-5)
+
+
+def test_per_request_plan_counts_split_requests() -> None:
+    # No groups: only requests read in several suffix items are merged (and counted).
+    batch = make_decode_batch([200, 9], [[0], [0]], queries_per_kv=2)
+    plan = plan_paged(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=batch.key_cache.shape[1],
+        max_query_len=batch.max_query_len,
+        queries_per_kv=2,
+        num_kv_heads=batch.key_cache.shape[2],
+        config=replace(EARLY, waves=4.0),
+    )
+    expected = _expected_counts(plan)
+    assert expected.max() > 1 and (expected == 0).any()
+    scale = batch.query.shape[2] ** -0.5
+    out, lse = _decode(batch, plan, DecodeKnobs())
+    _assert_close(out, lse, _reference(batch, scale), 1e-5)
+    assert not plan.combine_ready.any()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_planning_zeroes_the_counts_of_a_poisoned_buffer(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = plan_module._plan_buffers
+
+    def poisoned(*args: object) -> dict[str, torch.Tensor]:
+        views = original(*args)  # type: ignore[arg-type]
+        for view in views.values():
+            view.fill_(-7)
+        return views
+
+    monkeypatch.setattr(plan_module, "_plan_buffers", poisoned)
+    batch = make_decode_batch([70, 45], [[5, 9, 0, 3], [12, 1, 7]], queries_per_kv=2)
+    for plan in (
+        _plan(batch, 2, config=EARLY) if backend == "triton" else None,
+        plan_module.plan_forest(
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start_loc,
+            block_size=batch.key_cache.shape[1],
+            num_cache_blocks=batch.key_cache.shape[0],
+            max_query_len=batch.max_query_len,
+            queries_per_kv=2,
+            num_kv_heads=batch.key_cache.shape[2],
+            config=EARLY,
+            backend=backend,  # type: ignore[arg-type]
+        ),
+        plan_paged(
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start_loc,
+            block_size=batch.key_cache.shape[1],
+            max_query_len=batch.max_query_len,
+            queries_per_kv=2,
+            num_kv_heads=batch.key_cache.shape[2],
+            config=EARLY,
+            backend=backend,  # type: ignore[arg-type]
+        ),
+    ):
+        if plan is not None:
+            assert plan.combine_ready.numel() == plan.num_requests * plan.num_kv_heads
+            assert not plan.combine_ready.any()
+
+
+def test_a_pass_alone_is_refused_with_an_early_combine() -> None:
+    batch = make_decode_batch([70, 45], [[5, 9], [12, 1]], queries_per_kv=2)
+    plan = _plan(batch, 2, config=EARLY)
+    out, lse = _poisoned(batch)
+    partials = allocate_partials(plan, batch.query.shape[2], batch.query.device)
+    for passes in ((1,), (2,), (2, 1)):
+        with pytest.raises(PlanError, match="early_combine"):
+            launch_attention(
+                batch.query, batch.key_cache, batch.value_cache, plan, 0.2, out, lse, partials, passes=passes
+            )
+    assert not plan.combine_ready.any()
+
+
+def test_a_fused_combine_ignores_the_early_combine() -> None:
+    batch = make_decode_batch([70, 45], [[5, 9, 0], [12, 1]], queries_per_kv=2, seed=3)
+    config = replace(EARLY, fuse_combine=True)
+    plan = _plan(batch, 2, config=config)
+    assert not early_combine(plan)
+    out, lse = _decode(batch, plan, DecodeKnobs())
+    _assert_close(out, lse, _reference(batch, batch.query.shape[2] ** -0.5), 1e-5)
+    assert not plan.combine_ready.any()
+
+
+def test_early_combine_defaults_off_in_an_explicit_config() -> None:
+    assert ForestKernelConfig().early_combine is False
