@@ -612,6 +612,31 @@ def _variants() -> list[Variant]:
         # Round 17 (predictions in forest/NOTES.md): the combine waits per request on counts the attention items
         # release, not for the whole attention launch, so it runs under the attention's last programs.
         Variant("v17_early", "the default rule with the early combine", None, rule_changes=(("early_combine", True),)),
+        # Round 17b: the early combine's merge after its count completes (three rounds of partial loads for the
+        # single group's 17 partials at 8 per round) in one round, and 64-token suffix tiles.
+        Variant(
+            "v17_early_c32w4",
+            "v17_early with 4-warp combine programs loading up to 32 partials at once",
+            None,
+            rule_changes=(("early_combine", True), ("combine_num_warps", 4), ("combine_chunk_cap", 32)),
+        ),
+        Variant(
+            "v17_early_s64",
+            "v17_early with 64-token suffix tiles",
+            None,
+            rule_changes=(("early_combine", True), ("suffix_block_n", 64)),
+        ),
+        Variant(
+            "v17_early_s64_c32w4",
+            "v17_early_s64 with 4-warp combine programs loading up to 32 partials at once",
+            None,
+            rule_changes=(
+                ("early_combine", True),
+                ("suffix_block_n", 64),
+                ("combine_num_warps", 4),
+                ("combine_chunk_cap", 32),
+            ),
+        ),
         Variant(
             "v17_early_chain",
             "v17_early with split passes chained on one stream (prefix pass first)",

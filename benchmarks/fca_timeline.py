@@ -39,6 +39,7 @@ from arctic_dedup.forest.plan import default_forest_config
 CASES = (
     ("single_group_16x8704", "default"),
     ("single_group_16x8704", "early_combine"),
+    ("single_group_16x8704", "early_combine_s64_c32w4"),
     ("rl8x16_adjacent", "default"),
     ("rl8x16_adjacent", "early_combine"),
     ("rl8x16_adjacent", "early_combine_chained"),
@@ -52,6 +53,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], DecodeKnobs]] = {
     "interleaved_items": ({}, DecodeKnobs(interleave_items=True)),
     "early_combine": ({"early_combine": True}, DecodeKnobs()),
     "early_combine_chained": ({"early_combine": True}, DecodeKnobs(chain_passes=True)),
+    "early_combine_s64_c32w4": (
+        {"early_combine": True, "suffix_block_n": 64, "combine_num_warps": 4, "combine_chunk_cap": 32},
+        DecodeKnobs(),
+    ),
 }
 LAUNCH_ORDER = ("one launch", "prefix pass", "suffix pass", "combine")
 

@@ -68,8 +68,10 @@ ATTENTION = {
     "PASS": 0,
     "PERSISTENT": False,
     "TIMELINE": False,
+    "EARLY": False,
     **COMMON,
 }
+COMBINE = {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "EARLY": False, "LOAD_CACHE": ""}
 # Hopper: 228 KB of shared memory per multiprocessor, 227 KB per program, 1 KB of it reserved per program.
 SHARED_PER_SM = 228 * 1024
 
@@ -93,7 +95,7 @@ def _compile_all() -> None:
     _compile(_kernels.plan_paged_kernel, {"BLOCK_R": 128}, 4, 1)
     _compile(
         _kernels.forest_combine_kernel,
-        {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 16, "DIM_BLOCK": 128},
+        {**COMBINE, "CHUNK": 16, "DIM_BLOCK": 128},
         4,
         1,
     )
@@ -105,8 +107,7 @@ def _compile_all() -> None:
         _compile(_kernels.plan_group_kernel, {"MEMBERS": 16, "BLOCK_R": 128, "BLOCK_E": 1024, "PDL": 1}, 4, 1),
         _compile(
             _kernels.forest_combine_kernel,
-            {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 16, "DIM_BLOCK": 32}
-            | {"PDL": 1},
+            {**COMBINE, "CHUNK": 16, "DIM_BLOCK": 32, "PDL": 1},
             1,
             1,
         ),
@@ -122,8 +123,7 @@ def _compile_all() -> None:
         compile_attention(True, TIMELINE=True),
         _compile(
             _kernels.forest_combine_kernel,
-            {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 8, "DIM_BLOCK": 64}
-            | {"TIMELINE": True},
+            {**COMBINE, "CHUNK": 8, "DIM_BLOCK": 64, "TIMELINE": True},
             1,
             1,
         ),
@@ -139,6 +139,20 @@ def _compile_all() -> None:
     wait = suffix_ptx.find("griddepcontrol.wait")
     assert 0 <= suffix_ptx.find("griddepcontrol.launch_dependents") < suffix_ptx.find("ld.global") < wait
     assert suffix_ptx.rfind("st.global") < wait
+    # The early combine: attention items wait for the plan before letting the combine start and release their
+    # counts after their stores; the combine lets the next launch start at once, polls its count with sleeps, reads
+    # around L1 and waits for the attention launch only at its very end.
+    for pass_ in (0, 1, 2):
+        counting = compile_attention(True, PDL=2, PASS=pass_, EARLY=True).asm["ptx"]  # type: ignore[attr-defined]
+        assert 0 <= counting.find("griddepcontrol.wait") < counting.find("griddepcontrol.launch_dependents")
+        release = counting.rfind("atom.global.gpu.release")
+        assert counting.rfind("st.global", 0, release) < counting.rfind("bar.sync", 0, release), pass_
+        assert counting.count("atom.global.gpu.release") == (2 if pass_ == 0 else 1), pass_
+    early = _compile(_kernels.forest_combine_kernel, {**COMBINE, "CHUNK": 8, "DIM_BLOCK": 64, "EARLY": True}
+                     | {"LOAD_CACHE": ".cg", "PDL": 3}, 1, 1).asm["ptx"]  # type: ignore[attr-defined]  # fmt: skip
+    wait = early.find("griddepcontrol.wait")
+    assert 0 <= early.find("griddepcontrol.launch_dependents") < early.find("ld.global") and "nanosleep" in early
+    assert "ld.global.gpu.acquire" in early and "ld.global.cg" in early and early.rfind("st.global") < wait
     # Prefix tiles run on Hopper's warpgroup tensor cores; every pass loads 16 bytes at a time.
     assert "wgmma" in forest.asm["ptx"]  # type: ignore[attr-defined]
     for compiled in (forest, paged):
@@ -180,7 +194,7 @@ def _compile_diagnosis_variants() -> None:
         assert shared > 2 * block_n * 128 * 2 * 2, (overrides, shared)
     _compile(
         _kernels.forest_combine_kernel,
-        {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "CHUNK": 64, "DIM_BLOCK": 32},
+        {**COMBINE, "CHUNK": 64, "DIM_BLOCK": 32},
         4,
         1,
     )
