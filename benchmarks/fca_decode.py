@@ -608,7 +608,31 @@ def _variants() -> list[Variant]:
     # A fixed suffix grid of two programs per SM, capped at 128 registers (127 without a cap: 154) so that two fit
     # beside a 253-register prefix program: 64 K registers together.
     persistent2 = {"suffix_programs_per_sm": 2, "max_registers": 128, "prefix_max_registers": 255}
+    w16 = (("waves", 16.0),)
     return [
+        # Round 18 (predictions in forest/NOTES.md): with chained passes RL-8x16's suffix items (one 256 KB item per
+        # request and kv head, 35 us each at four per SM) end raggedly over the last ~16 us; waves 16 / 32 split
+        # every suffix in two / four items (waves <= 8 still gives one 512-token item per request).
+        Variant(
+            "v18_chain_w16", "chained passes, suffix items of 256 tokens", None, DecodeKnobs(chain_passes=True), w16
+        ),
+        Variant(
+            "v18_chain_w32",
+            "chained passes, suffix items of 128 tokens",
+            None,
+            DecodeKnobs(chain_passes=True),
+            (("waves", 32.0),),
+        ),
+        Variant(
+            "v18_chain_w16_early",
+            "v18_chain_w16 with the early combine",
+            None,
+            DecodeKnobs(chain_passes=True),
+            (*w16, ("early_combine", True)),
+        ),
+        Variant(
+            "v18_side_w16", "the default rule (side stream) with suffix items of 256 tokens", None, rule_changes=w16
+        ),
         # Round 17 (predictions in forest/NOTES.md): the combine waits per request on counts the attention items
         # release, not for the whole attention launch, so it runs under the attention's last programs.
         Variant("v17_early", "the default rule with the early combine", None, rule_changes=(("early_combine", True),)),

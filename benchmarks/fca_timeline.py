@@ -43,6 +43,7 @@ CASES = (
     ("rl8x16_adjacent", "default"),
     ("rl8x16_adjacent", "early_combine"),
     ("rl8x16_adjacent", "early_combine_chained"),
+    ("rl8x16_adjacent", "chained_w16_early"),
     ("no_share_128x8704", "default"),
 )
 # variant -> (changes to the default rule's config, launch knobs)
@@ -53,6 +54,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], DecodeKnobs]] = {
     "interleaved_items": ({}, DecodeKnobs(interleave_items=True)),
     "early_combine": ({"early_combine": True}, DecodeKnobs()),
     "early_combine_chained": ({"early_combine": True}, DecodeKnobs(chain_passes=True)),
+    "chained_w16_early": ({"waves": 16.0, "early_combine": True}, DecodeKnobs(chain_passes=True)),
     "early_combine_s64_c32w4": (
         {"early_combine": True, "suffix_block_n": 64, "combine_num_warps": 4, "combine_chunk_cap": 32},
         DecodeKnobs(),
