@@ -15,6 +15,7 @@ from arctic_dedup.forest import (
     forest_decode,
     paged_decode,
     plan_forest,
+    plan_paged,
     reference_paged_attention,
 )
 from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
@@ -25,7 +26,13 @@ SMALL = ForestKernelConfig(
 )
 
 
-def _plan(batch: DecodeBatch, queries_per_kv: int, config: ForestKernelConfig = SMALL, **grouping: int):
+def _plan(
+    batch: DecodeBatch,
+    queries_per_kv: int,
+    config: ForestKernelConfig = SMALL,
+    backend: Backend = "auto",
+    **grouping: int,
+):
     return plan_forest(
         batch.block_table,
         batch.seq_lens,
@@ -37,6 +44,21 @@ def _plan(batch: DecodeBatch, queries_per_kv: int, config: ForestKernelConfig = 
         num_kv_heads=batch.key_cache.shape[2],
         grouping=ForestGrouping(**grouping),
         config=config,
+        backend=backend,
+    )
+
+
+def _paged_plan(batch: DecodeBatch, queries_per_kv: int, config: ForestKernelConfig, backend: Backend = "auto"):
+    return plan_paged(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=batch.key_cache.shape[1],
+        max_query_len=batch.max_query_len,
+        queries_per_kv=queries_per_kv,
+        num_kv_heads=batch.key_cache.shape[2],
+        config=config,
+        backend=backend,
     )
 
 

@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_forest_decode import SMALL, _assert_close, _plan, _poisoned, _reference
+from test_forest_decode import SMALL, _assert_close, _paged_plan, _plan, _poisoned, _reference
 from test_forest_knobs import LATIN, _random_forest, _small
 
+from arctic_dedup._triton_support import Backend
 from arctic_dedup.errors import PlanError
-from arctic_dedup.forest import ForestKernelConfig, ForestPlan, plan_paged
+from arctic_dedup.forest import ForestKernelConfig, ForestPlan
 from arctic_dedup.forest import plan as plan_module
 from arctic_dedup.forest._launch import (
     DecodeKnobs,
@@ -102,16 +103,7 @@ def test_attention_counts_every_item_per_request_and_the_combine_clears_them(pas
 def test_per_request_plan_counts_split_requests() -> None:
     # No groups: only requests read in several suffix items are merged (and counted).
     batch = make_decode_batch([200, 9], [[0], [0]], queries_per_kv=2)
-    plan = plan_paged(
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
-        block_size=batch.key_cache.shape[1],
-        max_query_len=batch.max_query_len,
-        queries_per_kv=2,
-        num_kv_heads=batch.key_cache.shape[2],
-        config=replace(EARLY, waves=4.0),
-    )
+    plan = _paged_plan(batch, 2, replace(EARLY, waves=4.0))
     expected = _expected_counts(plan)
     assert expected.max() > 1 and (expected == 0).any()
     scale = batch.query.shape[2] ** -0.5
@@ -121,7 +113,7 @@ def test_per_request_plan_counts_split_requests() -> None:
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_planning_zeroes_the_counts_of_a_poisoned_buffer(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planning_zeroes_the_counts_of_a_poisoned_buffer(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     original = plan_module._plan_buffers
 
     def poisoned(*args: object) -> dict[str, torch.Tensor]:
@@ -132,35 +124,9 @@ def test_planning_zeroes_the_counts_of_a_poisoned_buffer(backend: str, monkeypat
 
     monkeypatch.setattr(plan_module, "_plan_buffers", poisoned)
     batch = make_decode_batch([70, 45], [[5, 9, 0, 3], [12, 1, 7]], queries_per_kv=2)
-    for plan in (
-        _plan(batch, 2, config=EARLY) if backend == "triton" else None,
-        plan_module.plan_forest(
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start_loc,
-            block_size=batch.key_cache.shape[1],
-            num_cache_blocks=batch.key_cache.shape[0],
-            max_query_len=batch.max_query_len,
-            queries_per_kv=2,
-            num_kv_heads=batch.key_cache.shape[2],
-            config=EARLY,
-            backend=backend,  # type: ignore[arg-type]
-        ),
-        plan_paged(
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start_loc,
-            block_size=batch.key_cache.shape[1],
-            max_query_len=batch.max_query_len,
-            queries_per_kv=2,
-            num_kv_heads=batch.key_cache.shape[2],
-            config=EARLY,
-            backend=backend,  # type: ignore[arg-type]
-        ),
-    ):
-        if plan is not None:
-            assert plan.combine_ready.numel() == plan.num_requests * plan.num_kv_heads
-            assert not plan.combine_ready.any()
+    for plan in (_plan(batch, 2, EARLY, backend), _paged_plan(batch, 2, EARLY, backend)):
+        assert plan.combine_ready.numel() == plan.num_requests * plan.num_kv_heads
+        assert not plan.combine_ready.any()
 
 
 def test_a_pass_alone_is_refused_with_an_early_combine() -> None:

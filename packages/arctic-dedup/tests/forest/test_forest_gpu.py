@@ -59,6 +59,32 @@ def _check(out: torch.Tensor, lse: torch.Tensor, batch: DecodeBatch, scale: floa
     assert torch.allclose(lse, ref_lse, atol=5e-2, rtol=1e-2)
 
 
+def _layers_of_one_step(
+    seed: int, groups: int, prompt_tokens: tuple[int, int], response_tokens: int, max_samples: int, min_samples: int
+) -> list[DecodeBatch]:
+    """A decode step's batch and two more layers: every layer shares the step's block table; its query and caches
+    hold values of its own."""
+    from dataclasses import replace
+
+    rng = random.Random(seed)
+    prefix_lens = [rng.randint(*prompt_tokens) for _ in range(groups)]
+    suffix_lens = [
+        [rng.randint(0, response_tokens) for _ in range(rng.randint(min_samples, max_samples))] for _ in prefix_lens
+    ]
+    first = make_decode_batch(
+        prefix_lens, suffix_lens, queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=seed
+    )
+    return [first] + [
+        replace(
+            first,
+            query=torch.randn_like(first.query),
+            key_cache=torch.randn_like(first.key_cache),
+            value_cache=torch.randn_like(first.value_cache),
+        )
+        for _ in range(2)
+    ]
+
+
 # A Latin square over (block size, GQA ratio, head dim): every pair of values meets once, in 9 compiles not 27.
 LATIN = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]
 
@@ -289,22 +315,8 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
 
     from arctic_dedup.forest._launch import DecodeKnobs, launch_forest_decode
 
-    rng = random.Random(21)
-    prefix_lens = [rng.randint(300, 900) for _ in range(4)]
-    suffix_lens = [[rng.randint(0, 200) for _ in range(rng.randint(2, 12))] for _ in prefix_lens]
-    first = make_decode_batch(
-        prefix_lens, suffix_lens, queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=21
-    )
-    # Every layer shares the step's block table; its query and caches hold values of its own.
-    layers = [first] + [
-        replace(
-            first,
-            query=torch.randn_like(first.query),
-            key_cache=torch.randn_like(first.key_cache),
-            value_cache=torch.randn_like(first.value_cache),
-        )
-        for _ in range(2)
-    ]
+    layers = _layers_of_one_step(21, 4, (300, 900), 200, max_samples=12, min_samples=2)
+    first = layers[0]
     config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
     config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items"))
     knobs = {
@@ -380,26 +392,13 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
     # same bits as the first, the plain combine's bits (the same merge in the same order), and leave the counts 0.
     from dataclasses import replace
 
-    from test_forest_decode import _plan
+    from test_forest_decode import _paged_plan, _plan
 
     from arctic_dedup.forest._launch import DecodeKnobs, launch_forest_decode
 
-    rng = random.Random(23)
     # Enough requests for several waves of attention programs, so that combine programs wait beside them.
-    prefix_lens = [rng.randint(600, 2400) for _ in range(6)]
-    suffix_lens = [[rng.randint(0, 400) for _ in range(rng.randint(1, 16))] for _ in prefix_lens]
-    first = make_decode_batch(
-        prefix_lens, suffix_lens, queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=23
-    )
-    layers = [first] + [
-        replace(
-            first,
-            query=torch.randn_like(first.query),
-            key_cache=torch.randn_like(first.key_cache),
-            value_cache=torch.randn_like(first.value_cache),
-        )
-        for _ in range(2)
-    ]
+    layers = _layers_of_one_step(23, 6, (600, 2400), 400, max_samples=16, min_samples=1)
+    first = layers[0]
     base = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
     base = replace(base, split_passes=variant in ("side_stream", "chained_passes"))
     if variant == "combine_slices":
@@ -412,19 +411,7 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
         holder: list[Any] = []
 
         def step() -> None:
-            if variant == "paged":
-                plan = plan_paged(
-                    first.block_table,
-                    first.seq_lens,
-                    first.query_start_loc,
-                    block_size=first.key_cache.shape[1],
-                    max_query_len=first.max_query_len,
-                    queries_per_kv=4,
-                    num_kv_heads=first.key_cache.shape[2],
-                    config=replace(config, waves=4.0),
-                )
-            else:
-                plan = _plan(first, 4, config)
+            plan = _paged_plan(first, 4, replace(config, waves=4.0)) if variant == "paged" else _plan(first, 4, config)
             holder[:] = [plan]
             for layer, out, lse in zip(layers, outs, lses, strict=True):
                 launch_forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1, out, lse, knobs)
