@@ -1322,7 +1322,8 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
 
     # Variant by variant over both cases, so a run cut short keeps both cases' numbers for the first variants.
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in case_names}
-    for variant in variants:
+    # --rounds > 1 runs the whole variant list again, so variants alternate (A/B/A/B) under the same machine state.
+    for round_index, variant in [(r, v) for r in range(args.rounds) for v in variants]:
         for diagnosis in diagnoses:
             name = diagnosis.case.name
             if time.time() - started > args.budget_s:
@@ -1337,6 +1338,7 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
                     "ok": False,
                     "error": f"{type(error).__name__}: {str(error)[:300]}",
                 }
+            result["round"] = round_index
             results[name].append(result)
             timing = (
                 f"attention {result['attention_us']:.1f} + combine {result['combine_us']:.1f} -> kernels "
@@ -1362,6 +1364,7 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
             )
         rows.extend(results[name])
         plan_us = pieces[name][1]["us"]
+        timed_in_order = sorted((r for r in results[name] if "kernels_us" in r), key=lambda r: r["round"])
         summary[name] = {
             "unique_MB": diagnosis.case.unique_bytes / 1e6,
             "copy_us": pieces[name][0]["us"],
@@ -1371,6 +1374,11 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
             "best_kernels_us": timed[0]["kernels_us"] if timed else math.nan,
             "best_amortized_us": timed[0]["kernels_us"] + plan_us / LAYERS if timed else math.nan,
             "failed": [r["variant"] for r in results[name] if not r.get("ok")],
+            # Each variant's kernels over the rounds (one value per round), for A/B reading.
+            "kernels_us_by_variant": {
+                variant.name: [r["kernels_us"] for r in timed_in_order if r["variant"] == variant.name]
+                for variant in variants
+            },
         }
     for diagnosis in diagnoses:
         name = diagnosis.case.name
@@ -1449,6 +1457,7 @@ def main() -> None:
         "--jobs", type=int, default=None, help="--diagnose: precompiling processes (default 16; 0 none)"
     )
     parser.add_argument("--budget-s", type=float, default=170.0, help="--diagnose: skip variants after this")
+    parser.add_argument("--rounds", type=int, default=1, help="--diagnose: run the variant list this many times")
     parser.add_argument(
         "--cases",
         default="single_group_16x8704,rl8x16_adjacent",
