@@ -385,7 +385,9 @@ def test_launch_timeline_records_every_program() -> None:
     assert sorted(tags[tags >= 0].tolist()) == sorted(list(range(items)) * plan.num_kv_heads)
 
 
-@pytest.mark.parametrize("variant", ["one_launch", "side_stream", "chained_passes", "combine_slices", "paged"])
+@pytest.mark.parametrize(
+    "variant", ["one_launch", "side_stream", "chained_passes", "combine_slices", "paged", "default_rule"]
+)
 def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant: str) -> None:
     # ForestKernelConfig.early_combine: combine programs wait on per-(request, kv head) counts and run beside the
     # attention launch. Plan and three layers in a CUDA graph, replayed again and again: every replay must give the
@@ -403,6 +405,13 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
     base = replace(base, split_passes=variant in ("side_stream", "chained_passes"))
     if variant == "combine_slices":
         base = replace(base, combine_dim_block=32, combine_num_warps=1, combine_chunk_cap=4)
+    if variant == "default_rule":
+        # plan_forest's rule for batches of more (request, kv head) pairs than multiprocessors (chained split
+        # passes; 16 stands for the SM count so this batch gets it), with the plain combine beside it.
+        from arctic_dedup.forest.plan import default_forest_config
+
+        base = replace(default_forest_config(first.seq_lens.shape[0], 2, 16), early_combine=False)
+        assert base.chain_passes and base.split_passes
     knobs = DecodeKnobs(chain_passes=True) if variant == "chained_passes" else DecodeKnobs()
 
     def run(config: ForestKernelConfig) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:

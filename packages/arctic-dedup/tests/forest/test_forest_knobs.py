@@ -302,13 +302,14 @@ def test_default_config_is_a_rule_by_batch_size() -> None:
     assert (one_wave.prefix_waves, one_wave.waves, one_wave.split_passes) == (1.0, 1.0, False)
     assert one_wave.prefix_block_n == 64
     many = default_forest_config(128, 8, 132)
-    assert (many.prefix_block_n, many.split_passes, many.prefix_waves) == (64, True, 2.0)
+    assert (many.prefix_block_n, many.split_passes, many.prefix_waves, many.chain_passes) == (64, True, 2.0, True)
+    assert not one_wave.chain_passes
     assert default_forest_config(17, 8, 132) == many
-    # Rounds 3, 4 and 7 (2026-12-01): one-warp combine programs over 64-dim halves, 8 partials at a time, and
-    # dependent launches, in both cases.
+    # Rounds 3, 4, 7 and 17 (2026-12-01/02): one-warp combine programs over 64-dim halves, 8 partials at a time,
+    # dependent launches and the early combine, in both cases.
     for config in (one_wave, many):
         combine = (config.combine_dim_block, config.combine_num_warps, config.combine_chunk_cap)
-        assert (*combine, config.dependent_launches) == (64, 1, 8, True)
+        assert (*combine, config.dependent_launches, config.early_combine) == (64, 1, 8, True, True)
     # plan_forest without a config applies the rule (8 multiprocessors on CPU).
     small = make_decode_batch([40], [[3, 4]], seed=32)
     large = make_decode_batch([40, 50], [[3, 4, 5], [1, 2]], seed=33)

@@ -82,10 +82,10 @@ class DecodeKnobs:
         interleave_items: a one-launch plan with groups alternates prefix and suffix items over the programs (even
             programs prefix items, odd ones suffix items) instead of all prefix items first.
         timeline: per-program timestamps of every launch (``LaunchTimeline``; CUDA only), ``None`` for none.
-        chain_passes: with ``ForestKernelConfig.dependent_launches`` in effect and split passes, both passes stay on
-            one stream instead of the side stream: the prefix pass waits for the plan before letting the suffix
-            pass be scheduled, the suffix pass runs beside the prefix pass's last programs and waits for it only at
-            its end (so the combine after it still sees every partial).
+        chain_passes: ``ForestKernelConfig.chain_passes`` for this call (either one chains): with split passes,
+            both stay on one stream instead of the side stream; with dependent launches the prefix pass waits for
+            the plan before letting the suffix pass be scheduled, and the suffix pass runs beside the prefix pass's
+            last programs and waits for it only at its end (so the combine after it still sees every partial).
     """
 
     split_passes: bool = False
@@ -410,7 +410,8 @@ def launch_attention(
     owners_block = _next_power_of_two(max(2, 2 * num_requests))
     pdl = dependent_launches(config, query.device)
     # The suffix pass reads nothing the prefix pass writes: chained, it starts beside the prefix pass's last wave.
-    chain = pdl and knobs.chain_passes and not fuse and passes == (1, 2)
+    chained = (knobs.chain_passes or config.chain_passes) and not fuse and passes == (1, 2)
+    chain = pdl and chained
     early = early_combine(plan)
     # An early combine starts before this launch ends and reads the plan at once: every attention launch waits for
     # the plan before it lets the next launch be scheduled (PDL mode 2), so a combine program that runs implies a
@@ -513,7 +514,7 @@ def launch_attention(
         )
 
     # With a fused combine the suffix pass reads the prefix pass's partials: both stay on one stream, in order.
-    if (knobs.side_stream or config.split_passes) and not (fuse or chain) and passes == (1, 2) and query.is_cuda:
+    if (knobs.side_stream or config.split_passes) and not (fuse or chained) and passes == (1, 2) and query.is_cuda:
         main = torch.cuda.current_stream(query.device)
         side = _side_stream(query.device.index if query.device.index is not None else torch.cuda.current_device())
         side.wait_stream(main)

@@ -102,6 +102,10 @@ class ForestKernelConfig:
             launch of the plan and the decode is scheduled while the launch before it on its stream finishes, and
             its programs wait on the device for that launch's results (same results, shorter launch gaps; also
             inside CUDA graphs). Ignored on other devices and under the Triton interpreter.
+        chain_passes: split passes stay on the caller's stream, the prefix pass first (no side stream); with
+            dependent launches the suffix pass is scheduled once every prefix program has started (the prefix
+            programs fill the device first; the suffix programs take each multiprocessor as its prefix programs end)
+            and waits for the prefix pass only at its end. Ignored by plans without groups.
         early_combine: every attention item that writes a partial then counts itself done for its requests
             (``ForestPlan.combine_ready``), and each combine program merges its request as soon as that count is
             complete instead of after the whole attention launch; with dependent launches the combine then runs
@@ -124,6 +128,7 @@ class ForestKernelConfig:
     combine_num_warps: int = 4
     combine_chunk_cap: int = 16
     dependent_launches: bool = False
+    chain_passes: bool = False
     early_combine: bool = False
 
     def __post_init__(self) -> None:
@@ -150,13 +155,23 @@ def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors:
     combine 7.3 -> 4.8 us for 8 x 16, 3.5 us for the single group, the best of seven combine shapes; round 3's
     32-dim slices had taken it from 17.7 and 7.7 us) and use dependent launches where the device has them
     ("v4_pdl", 2026-12-01: plan 16.1 -> 14.7 / 11.3 -> 9.7 us, whole op 166.4 -> 165.6 / 41.8 -> 40.6 us).
-    ``forest/NOTES.md``, "Version 3" and "Round 3" to "Round 7"; ``benchmarks/results/fca_decode_diagnose.json``.
+    Both use the early combine, and larger batches chain their passes on one stream (prefix pass first) instead
+    of the side stream (round 17, A/B over three alternating rounds on 2026-12-02: single group kernels 30.5-30.7
+    against 31.3-31.5 us; 8 x 16 whole op 163.5-164.0 against 166.2-166.8 us, kernels 146.6-147.1 against
+    147.2-147.5). ``forest/NOTES.md``, "Version 3" to "Round 17 A/B"; ``benchmarks/results/fca_decode_diagnose*.json``.
     """
     if num_requests * num_kv_heads <= multiprocessors:
         tiles = ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0)
     else:
-        tiles = ForestKernelConfig(prefix_block_n=64, split_passes=True)
-    return replace(tiles, combine_dim_block=64, combine_num_warps=1, combine_chunk_cap=8, dependent_launches=True)
+        tiles = ForestKernelConfig(prefix_block_n=64, split_passes=True, chain_passes=True)
+    return replace(
+        tiles,
+        combine_dim_block=64,
+        combine_num_warps=1,
+        combine_chunk_cap=8,
+        dependent_launches=True,
+        early_combine=True,
+    )
 
 
 class ForestWorkspace:
