@@ -110,7 +110,9 @@ def forest_decode(
     then suffix items (a split of one request's own tokens after its group's prefix, causal within its query tokens).
     A request whose whole context is one suffix item writes its output directly; the combine launch merges every
     other request's partials by log-sum-exp. With no groups every request reads its whole context in suffix items,
-    which is exactly ``paged_decode``.
+    which is exactly ``paged_decode``. With ``plan.config.early_combine`` (``plan_forest``'s default rule) each
+    combine program merges its request as soon as that request's own items are done, counting them in the plan
+    (``ForestPlan.combine_ready``), so the calls that share one plan must run in stream order, as a model's layers do.
 
     Args:
         query: ``[T, H_q, D]`` query tokens of the step, packed by ``plan.query_start_loc``.
