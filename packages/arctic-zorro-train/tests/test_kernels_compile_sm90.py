@@ -42,6 +42,7 @@ def test_every_fused_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [line for line in result.stdout.splitlines() if "registers" in line]
-    # 15 fused-kernel configurations in bf16 and fp32, arctic-dedup's forest decode passes (3) and combines (4).
-    assert len(reports) == 40, result.stdout
+    # 15 fused-kernel configurations in bf16 and fp32; arctic-dedup's forest decode attention launches (7: three
+    # passes, the one launch, and the early combine's counting forms of three of them) and combines (8).
+    assert len(reports) == 45, result.stdout
     assert all(line.split("registers")[0].split()[-1].isdigit() for line in reports), result.stdout
