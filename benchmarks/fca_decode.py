@@ -609,29 +609,31 @@ def _variants() -> list[Variant]:
     # beside a 253-register prefix program: 64 K registers together.
     persistent2 = {"suffix_programs_per_sm": 2, "max_registers": 128, "prefix_max_registers": 255}
     w16 = (("waves", 16.0),)
+    # Larger batches' rule chains its split passes (round 17); variants of the side stream say so.
+    chain = (("chain_passes", True),)
+    side = (("chain_passes", False),)
     return [
         # Round 18 (predictions in forest/NOTES.md): with chained passes RL-8x16's suffix items (one 256 KB item per
         # request and kv head, 35 us each at four per SM) end raggedly over the last ~16 us; waves 16 / 32 split
         # every suffix in two / four items (waves <= 8 still gives one 512-token item per request).
-        Variant(
-            "v18_chain_w16", "chained passes, suffix items of 256 tokens", None, DecodeKnobs(chain_passes=True), w16
-        ),
+        Variant("v18_chain_w16", "chained passes, suffix items of 256 tokens", None, rule_changes=(*chain, *w16)),
         Variant(
             "v18_chain_w32",
             "chained passes, suffix items of 128 tokens",
             None,
-            DecodeKnobs(chain_passes=True),
-            (("waves", 32.0),),
+            rule_changes=(*chain, ("waves", 32.0)),
         ),
         Variant(
             "v18_chain_w16_early",
             "v18_chain_w16 with the early combine",
             None,
-            DecodeKnobs(chain_passes=True),
-            (*w16, ("early_combine", True)),
+            rule_changes=(*chain, *w16, ("early_combine", True)),
         ),
         Variant(
-            "v18_side_w16", "the default rule (side stream) with suffix items of 256 tokens", None, rule_changes=w16
+            "v18_side_w16",
+            "the default rule with the side stream and suffix items of 256 tokens",
+            None,
+            rule_changes=(*side, *w16),
         ),
         # Round 17 (predictions in forest/NOTES.md): the combine waits per request on counts the attention items
         # release, not for the whole attention launch, so it runs under the attention's last programs.
@@ -665,8 +667,7 @@ def _variants() -> list[Variant]:
             "v17_early_chain",
             "v17_early with split passes chained on one stream (prefix pass first)",
             None,
-            DecodeKnobs(chain_passes=True),
-            (("early_combine", True),),
+            rule_changes=(*chain, ("early_combine", True)),
         ),
         # Round 15 (predictions in forest/NOTES.md): the timeline shows the single group's one launch placing its
         # programs in same-kind pairs (56 SMs with two suffix programs, the critical path); alternate the kinds.
@@ -703,22 +704,22 @@ def _variants() -> list[Variant]:
             "v13_pw1_ps2_chain",
             "prefix_waves 1 (one prefix program per SM), persistent suffix pass of 2 programs per SM chained after it",
             None,
-            DecodeKnobs(chain_passes=True, **persistent2),
-            rule_changes=pw1,
+            DecodeKnobs(**persistent2),
+            rule_changes=(*chain, *pw1),
         ),
         Variant(
             "v13_pw1_ps2",
             "v13_pw1_ps2_chain with the prefix pass on the side stream",
             None,
             DecodeKnobs(**persistent2),
-            rule_changes=pw1,
+            rule_changes=(*side, *pw1),
         ),
         Variant(
             "v13_pw1_ps1_chain",
             "prefix_waves 1, persistent suffix pass of 1 program per SM (154 registers, uncapped), chained",
             None,
-            DecodeKnobs(chain_passes=True, suffix_programs_per_sm=1),
-            rule_changes=pw1,
+            DecodeKnobs(suffix_programs_per_sm=1),
+            rule_changes=(*chain, *pw1),
         ),
         Variant(
             "v13_ps4",
@@ -734,14 +735,13 @@ def _variants() -> list[Variant]:
             "v12_split_w2",
             "the default rule with split passes (side stream) and waves 2 (single group: 256 suffix programs)",
             None,
-            rule_changes=split_w2,
+            rule_changes=(*side, *split_w2),
         ),
         Variant(
             "v12_split_w2_chain",
             "v12_split_w2 with both passes on one stream, the suffix pass after every prefix program has started",
             None,
-            DecodeKnobs(chain_passes=True),
-            rule_changes=split_w2,
+            rule_changes=(*chain, *split_w2),
         ),
         Variant(
             "v12_split_w4",
@@ -751,27 +751,31 @@ def _variants() -> list[Variant]:
             rule_changes=(("split_passes", True), ("waves", 4.0)),
         ),
         # Round 10 (predictions in forest/NOTES.md): one RL-8x16 prefix program per SM, suffix programs beside it.
-        Variant("v10_pw1", "the default rule with prefix_waves 1 (one prefix program per SM)", None, rule_changes=pw1),
+        Variant(
+            "v10_pw1",
+            "the default rule with prefix_waves 1 (one prefix program per SM), side stream",
+            None,
+            rule_changes=(*side, *pw1),
+        ),
         Variant(
             "v10_pw1_chain",
             "v10_pw1 with both passes on one stream, the suffix pass after every prefix program has started",
             None,
-            DecodeKnobs(chain_passes=True),
-            rule_changes=pw1,
+            rule_changes=(*chain, *pw1),
         ),
         Variant(
             "v10_pw1_ps4",
             "v10_pw1 with 4 stages for the prefix pass (144 KB)",
             None,
             DecodeKnobs(prefix_num_stages=4),
-            rule_changes=pw1,
+            rule_changes=(*side, *pw1),
         ),
         Variant(
             "v10_pw1_ps4_chain",
             "v10_pw1_ps4 with both passes on one stream",
             None,
-            DecodeKnobs(prefix_num_stages=4, chain_passes=True),
-            rule_changes=pw1,
+            DecodeKnobs(prefix_num_stages=4),
+            rule_changes=(*chain, *pw1),
         ),
         # Round 7 (predictions in forest/NOTES.md): combine programs sized to fit one wave (sm90_compile_report
         # registers: 1 warp, 8 partials at a time, 64 dims: 118 registers, 17 per SM, 2048 RL-8x16 programs).
@@ -826,8 +830,8 @@ def _variants() -> list[Variant]:
         # quarter of the bytes in flight of the SM's other (prefix) program, and are its critical path.
         Variant(
             "v5_default",
-            "plan_forest's default rule (w1_p64 for <= 1 (request, kv head) per SM, else stream_p64; 1-warp 32-dim "
-            "combine; dependent launches)",
+            "plan_forest's default rule (default_forest_config: one wave for <= 1 (request, kv head) per SM, else "
+            "chained split passes; 1-warp combine over 64-dim halves; dependent launches; early combine)",
             None,
         ),
         Variant(
@@ -842,7 +846,7 @@ def _variants() -> list[Variant]:
             "the default rule; split passes chained on one stream (the suffix pass starts beside the prefix "
             "pass's last wave and waits for it at its end) instead of the side stream",
             None,
-            DecodeKnobs(chain_passes=True),
+            rule_changes=chain,
         ),
         Variant(
             "v3_default",
@@ -958,7 +962,8 @@ def _compile_signature(case_name: str, variant: Variant) -> tuple[Any, ...]:
         knobs.combine_dim_block,
         knobs.combine_chunk_cap,
         knobs.combine_num_warps,
-        knobs.chain_passes,
+        config.chain_passes,
+        config.early_combine,
         knobs.max_registers,
         knobs.prefix_max_registers,
         config.combine_dim_block,

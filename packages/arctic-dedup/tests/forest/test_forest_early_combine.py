@@ -32,8 +32,7 @@ EARLY = replace(SMALL, early_combine=True)
 LAYOUTS = {
     "one_launch": (EARLY, DecodeKnobs()),
     "split_side_stream": (replace(EARLY, split_passes=True), DecodeKnobs(side_stream=True)),
-    "chained": (replace(EARLY, split_passes=True, dependent_launches=True), DecodeKnobs(chain_passes=True)),
-    "chained_by_config": (replace(EARLY, split_passes=True, chain_passes=True), DecodeKnobs()),
+    "chained": (replace(EARLY, split_passes=True, chain_passes=True, dependent_launches=True), DecodeKnobs()),
     "persistent_suffix": (EARLY, DecodeKnobs(split_passes=True, suffix_programs_per_sm=1)),
     "interleaved": (EARLY, DecodeKnobs(interleave_items=True)),
     # Two or four combine programs per (request, kv head): the last slice to arrive clears the count.

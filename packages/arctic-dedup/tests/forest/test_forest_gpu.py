@@ -319,12 +319,10 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
     first = layers[0]
     config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
     config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items"))
+    config = replace(config, chain_passes=variant in ("chained_passes", "persistent_suffix"))
     knobs = {
-        "chained_passes": DecodeKnobs(chain_passes=True),
         # Round 13: a fixed suffix grid, two programs per SM capped at 128 registers, chained after the prefix pass.
-        "persistent_suffix": DecodeKnobs(
-            chain_passes=True, suffix_programs_per_sm=2, max_registers=128, prefix_max_registers=255
-        ),
+        "persistent_suffix": DecodeKnobs(suffix_programs_per_sm=2, max_registers=128, prefix_max_registers=255),
         # Round 15: one launch, prefix and suffix items alternating over the programs.
         "interleaved_items": DecodeKnobs(interleave_items=True),
     }.get(variant, DecodeKnobs())
@@ -402,7 +400,9 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
     layers = _layers_of_one_step(23, 6, (600, 2400), 400, max_samples=16, min_samples=1)
     first = layers[0]
     base = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
-    base = replace(base, split_passes=variant in ("side_stream", "chained_passes"))
+    base = replace(
+        base, split_passes=variant in ("side_stream", "chained_passes"), chain_passes=variant == "chained_passes"
+    )
     if variant == "combine_slices":
         base = replace(base, combine_dim_block=32, combine_num_warps=1, combine_chunk_cap=4)
     if variant == "default_rule":
@@ -412,7 +412,7 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
 
         base = replace(default_forest_config(first.seq_lens.shape[0], 2, 16), early_combine=False)
         assert base.chain_passes and base.split_passes
-    knobs = DecodeKnobs(chain_passes=True) if variant == "chained_passes" else DecodeKnobs()
+    knobs = DecodeKnobs()
 
     def run(config: ForestKernelConfig) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
         outs = [torch.full_like(layer.query, float("nan")) for layer in layers]

@@ -25,6 +25,7 @@ from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
 
 KNOBS = {
     "split": DecodeKnobs(split_passes=True),
+    "chained_passes": DecodeKnobs(split_passes=True),
     "split_side_stream_prefix_options": DecodeKnobs(
         split_passes=True, side_stream=True, prefix_num_warps=8, prefix_num_stages=2
     ),
@@ -32,15 +33,15 @@ KNOBS = {
     "split_combine_slices_small_chunks": DecodeKnobs(split_passes=True, combine_dim_block=32, combine_chunk_cap=2),
     "narrow_combine_programs": DecodeKnobs(combine_chunk_cap=4, combine_num_warps=2),
     "one_warp_combine_slices": DecodeKnobs(combine_dim_block=32, combine_num_warps=1),
-    # Programmatic dependent launch is a CUDA (sm_90+) feature: without it a chain is the plain split launch.
-    "chained_passes": DecodeKnobs(split_passes=True, chain_passes=True),
     # Register caps are a compile option the interpreter ignores.
     "register_caps": DecodeKnobs(split_passes=True, prefix_num_warps=8, max_registers=128, prefix_max_registers=96),
     # A fixed suffix grid (SMALL has 2 multiprocessors and 2 kv heads: one slot of programs loops over every item).
     "persistent_suffix": DecodeKnobs(split_passes=True, suffix_programs_per_sm=1),
-    "persistent_suffix_chained": DecodeKnobs(split_passes=True, suffix_programs_per_sm=3, chain_passes=True),
+    "persistent_suffix_chained": DecodeKnobs(split_passes=True, suffix_programs_per_sm=3),
     "interleaved_items": DecodeKnobs(interleave_items=True),
 }
+# Programmatic dependent launch is a CUDA (sm_90+) feature: without it a chain is the split launch on one stream.
+CHAINED = {"chained_passes", "persistent_suffix_chained"}
 # Every pair of (block size, GQA ratio, head dim) values meets once.
 LATIN = [((16, 32, 64)[i], (1, 4, 8)[j], (64, 128, 256)[(i + j) % 3]) for i in range(3) for j in range(3)]
 
@@ -82,7 +83,8 @@ def test_knobs_match_reference_on_random_forests(
     knobs_name: str, block_size: int, queries_per_kv: int, head_dim: int
 ) -> None:
     seed = block_size + 10 * queries_per_kv + head_dim + len(knobs_name)
-    _run(_random_forest(seed, block_size, queries_per_kv, head_dim), queries_per_kv, KNOBS[knobs_name])
+    config = replace(SMALL, chain_passes=knobs_name in CHAINED)
+    _run(_random_forest(seed, block_size, queries_per_kv, head_dim), queries_per_kv, KNOBS[knobs_name], config)
 
 
 @pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN[1::2])
@@ -254,8 +256,8 @@ V3 = {
         DecodeKnobs(),
     ),
     "dependent_launches_chained": (
-        _small(replace(default_forest_config(128, 8, 132), dependent_launches=True)),
-        DecodeKnobs(chain_passes=True),
+        _small(replace(default_forest_config(128, 8, 132), dependent_launches=True, chain_passes=True)),
+        DecodeKnobs(),
     ),
     "fused_w1_side_stream_asked": (
         _small(ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0, fuse_combine=True)),

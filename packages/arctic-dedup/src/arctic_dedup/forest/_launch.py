@@ -82,10 +82,6 @@ class DecodeKnobs:
         interleave_items: a one-launch plan with groups alternates prefix and suffix items over the programs (even
             programs prefix items, odd ones suffix items) instead of all prefix items first.
         timeline: per-program timestamps of every launch (``LaunchTimeline``; CUDA only), ``None`` for none.
-        chain_passes: ``ForestKernelConfig.chain_passes`` for this call (either one chains): with split passes,
-            both stay on one stream instead of the side stream; with dependent launches the prefix pass waits for
-            the plan before letting the suffix pass be scheduled, and the suffix pass runs beside the prefix pass's
-            last programs and waits for it only at its end (so the combine after it still sees every partial).
     """
 
     split_passes: bool = False
@@ -97,7 +93,6 @@ class DecodeKnobs:
     combine_dim_block: int | None = None
     combine_chunk_cap: int | None = None
     combine_num_warps: int | None = None
-    chain_passes: bool = False
     suffix_programs_per_sm: int | None = None
     interleave_items: bool = False
     timeline: LaunchTimeline | None = field(default=None, compare=False)
@@ -410,7 +405,7 @@ def launch_attention(
     owners_block = _next_power_of_two(max(2, 2 * num_requests))
     pdl = dependent_launches(config, query.device)
     # The suffix pass reads nothing the prefix pass writes: chained, it starts beside the prefix pass's last wave.
-    chained = (knobs.chain_passes or config.chain_passes) and not fuse and passes == (1, 2)
+    chained = config.chain_passes and not fuse and passes == (1, 2)
     chain = pdl and chained
     early = early_combine(plan)
     # An early combine starts before this launch ends and reads the plan at once: every attention launch waits for
