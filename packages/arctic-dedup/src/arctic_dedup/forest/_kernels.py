@@ -23,7 +23,8 @@ Decode (per layer, two launches; three when the prefix and suffix passes are spl
   ``PASS`` 1 or 2 runs only the prefix or only the suffix items (a split launch: each pass gets its own tile
   shapes and launch options; ``PASS`` 0 runs both in one launch).
 - ``forest_combine_kernel``: one program per (request, kv head, slice of head dims) that has partials; merges them
-  by log-sum-exp.
+  by log-sum-exp. With ``EARLY`` every attention item releases a count per (request, kv head) it served after its
+  stores, and a combine program merges once its request's count is complete (the last slice clears it).
 
 Row ``r`` of a request's row block stands for query token ``r // G`` and query head ``kv_head * G + r % G``.
 
@@ -32,8 +33,9 @@ program first lets the next launch of its stream be scheduled, then waits until 
 and its writes are visible, before any memory access: results are those of plain stream order, only the launch
 gaps shrink. 2 waits first, then lets the next launch be scheduled (so the next launch starting implies that the
 one before this one has finished); 3 (the attention kernel's suffix pass after a prefix pass launched with 2, which
-it does not read) lets the next launch be scheduled and waits at the very end, so it runs beside the prefix pass
-and its own completion still implies the prefix pass's.
+it does not read; the early combine, which waits for its own request's items through ``ForestPlan.combine_ready``)
+lets the next launch be scheduled and waits at the very end, so it runs beside the launch before it and its own
+completion still implies that launch's.
 """
 
 import triton
