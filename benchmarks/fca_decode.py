@@ -613,13 +613,6 @@ def _variants() -> list[Variant]:
     chain = (("chain_passes", True),)
     side = (("chain_passes", False),)
     return [
-        # Round 19 (predictions in forest/NOTES.md): the default rule with the planner in one launch.
-        Variant(
-            "v19_one_launch_plan",
-            "the default rule with the planner's three launches as one (grid barriers)",
-            None,
-            rule_changes=(("one_launch_plan", True),),
-        ),
         # Round 18 (predictions in forest/NOTES.md): with chained passes RL-8x16's suffix items (one 256 KB item per
         # request and kv head, 35 us each at four per SM) end raggedly over the last ~16 us; waves 16 / 32 split
         # every suffix in two / four items (waves <= 8 still gives one 512-token item per request).
@@ -1260,7 +1253,7 @@ def _copy_us(num_bytes: int, copies: int, diagnosis: Diagnosis) -> float:
     return diagnosis.time([partial(target.copy_, source) for source, target in pairs])
 
 
-def _diagnose_pieces(diagnosis: Diagnosis, copy_tbps: float, rounds: int = 1) -> list[dict[str, Any]]:
+def _diagnose_pieces(diagnosis: Diagnosis, copy_tbps: float) -> list[dict[str, Any]]:
     """Copy ceiling, plan, plan without groups, and version 2's prefix and suffix items alone (same binary)."""
     case = diagnosis.case
     shape = case.shape
@@ -1275,13 +1268,8 @@ def _diagnose_pieces(diagnosis: Diagnosis, copy_tbps: float, rounds: int = 1) ->
     paged_us = diagnosis.time([partial(_paged_plan, s.batch, base) for s in setups])
     pieces.append({"case": case.name, "variant": "plan without groups (1 launch)", "us": paged_us})
     dependent = replace(base, dependent_launches=True)
-    one_launch = replace(dependent, one_launch_plan=True)
-    # Round 19: the planner's three launches against one with grid barriers, alternating.
-    plans = ((dependent, "plan (3 dependent launches)"), (one_launch, "plan (1 launch, grid barriers)"))
-    for round_index in range(rounds):
-        for config, label in plans:
-            us = diagnosis.time([partial(_forest_plan, s.batch, shape, config, s.workspace) for s in setups])
-            pieces.append({"case": case.name, "variant": label, "us": us, "round": round_index})
+    pdl_plan_us = diagnosis.time([partial(_forest_plan, s.batch, shape, dependent, s.workspace) for s in setups])
+    pieces.append({"case": case.name, "variant": "plan (3 dependent launches)", "us": pdl_plan_us})
     knobs = DecodeKnobs()
     for passes, label, num_bytes in (
         ((1,), "v2 prefix items only", diagnosis.prefix_bytes),
@@ -1334,7 +1322,7 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
         copies = 4 if case_name.startswith("single") and not args.smoke else 1
         diagnosis = Diagnosis(Case(case_name, *specs[case_name], shape=shape, copies=copies), repeats, per_graph)
         diagnoses.append(diagnosis)
-        pieces[case_name] = _diagnose_pieces(diagnosis, copy_tbps, args.rounds)
+        pieces[case_name] = _diagnose_pieces(diagnosis, copy_tbps)
         rows.extend(pieces[case_name])
 
     # Variant by variant over both cases, so a run cut short keeps both cases' numbers for the first variants.
@@ -1391,11 +1379,6 @@ def _diagnose(args: argparse.Namespace, out_dir: Path) -> None:
             "best_kernels_us": timed[0]["kernels_us"] if timed else math.nan,
             "best_amortized_us": timed[0]["kernels_us"] + plan_us / LAYERS if timed else math.nan,
             "failed": [r["variant"] for r in results[name] if not r.get("ok")],
-            # The plan in three dependent launches and in one, per round (alternating), for A/B reading.
-            "plan_us_by_kind": {
-                label: [p["us"] for p in pieces[name] if p["variant"] == label]
-                for label in ("plan (3 dependent launches)", "plan (1 launch, grid barriers)")
-            },
             # Each variant's kernels over the rounds (one value per round), for A/B reading.
             "kernels_us_by_variant": {
                 variant.name: [r["kernels_us"] for r in timed_in_order if r["variant"] == variant.name]

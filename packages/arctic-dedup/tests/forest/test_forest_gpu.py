@@ -256,15 +256,9 @@ def _torch_twin(
     return plan.group_leader.tolist(), plan.prefix_blocks.tolist()
 
 
-@pytest.mark.parametrize("one_launch_plan", [False, True])
-def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin(one_launch_plan: bool) -> None:
-    # Many concurrent programs race on the histogram, the leader slots and the ticket (with the one-launch plan they
-    # also meet at grid barriers, and 154 requests give some of an H200's 132 programs two); every replay must leave
-    # the workspace zero for the next one.
-    from dataclasses import replace
-
-    from arctic_dedup.forest.plan import default_forest_config
-
+def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
+    # Many concurrent programs race on the histogram, the leader slots and the ticket; every replay must leave the
+    # workspace zero for the next one.
     rng = random.Random(9)
     prefix_lens = [rng.randint(17, 900) for _ in range(12)]
     suffix_lens = [[rng.randint(0, 200) for _ in range(rng.randint(1, 24))] for _ in prefix_lens]
@@ -272,8 +266,6 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin(one_launch_plan
     num_blocks = batch.key_cache.shape[0]
     workspace = ForestWorkspace(num_blocks, "cuda")
     table, seq_lens = batch.block_table.clone(), batch.seq_lens.clone()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    config = replace(default_forest_config(table.shape[0], 2, sms), one_launch_plan=one_launch_plan)
     plans = []
 
     def step() -> None:
@@ -287,7 +279,6 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin(one_launch_plan
                 max_query_len=1,
                 queries_per_kv=4,
                 num_kv_heads=2,
-                config=config,
                 workspace=workspace,
             )
         )
@@ -309,13 +300,11 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin(one_launch_plan
         torch.cuda.synchronize()
         twin = _torch_twin(table, seq_lens, batch.query_start_loc, num_blocks)
         assert (captured.group_leader.tolist(), captured.prefix_blocks.tolist()) == twin
-        assert not workspace.counts.any() and not workspace.leader_slots.any()
-        assert not workspace.ticket.any() and not workspace.barrier.any()
+        assert not workspace.counts.any() and not workspace.leader_slots.any() and not workspace.ticket.any()
 
 
 @pytest.mark.parametrize(
-    "variant",
-    ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items", "one_launch_plan"],
+    "variant", ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items"]
 )
 def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant: str) -> None:
     # Programmatic dependent launch (sm_90+; elsewhere the config field is ignored and this is a plain run): plan and
@@ -330,9 +319,7 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
     first = layers[0]
     config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
     config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items"))
-    config = replace(config, chain_passes=variant in ("chained_passes", "persistent_suffix", "one_launch_plan"))
-    # The planner's three launches as one, with grid barriers, before chained passes.
-    config = replace(config, one_launch_plan=variant == "one_launch_plan")
+    config = replace(config, chain_passes=variant in ("chained_passes", "persistent_suffix"))
     knobs = {
         # Round 13: a fixed suffix grid, two programs per SM capped at 128 registers, chained after the prefix pass.
         "persistent_suffix": DecodeKnobs(suffix_programs_per_sm=2, max_registers=128, prefix_max_registers=255),

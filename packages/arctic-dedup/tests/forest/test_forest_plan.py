@@ -29,7 +29,7 @@ def _plan(
     block_size: int = 16,
     backend: Backend = "auto",
     workspace: ForestWorkspace | None = None,
-    **config: int | bool,
+    **config: int,
 ):
     return plan_forest(
         batch.block_table,
@@ -80,7 +80,6 @@ def _random_batch(seed: int) -> DecodeBatch:
     min_grouped_fraction=st.sampled_from([0.0, 0.5, 0.9]),
     max_groups=st.sampled_from([None, 0, 1, 3]),
     backend=st.sampled_from(["triton", "torch"]),
-    one_launch_plan=st.booleans(),
 )
 def test_groups_match_reference(
     seed: int,
@@ -89,11 +88,10 @@ def test_groups_match_reference(
     min_grouped_fraction: float,
     max_groups: int | None,
     backend: Backend,
-    one_launch_plan: bool,
 ) -> None:
     batch = _random_batch(seed)
     grouping = ForestGrouping(min_group_size, min_prefix_blocks, min_grouped_fraction, max_groups)
-    plan = _plan(batch, grouping, backend=backend, one_launch_plan=one_launch_plan)
+    plan = _plan(batch, grouping, backend=backend)
     leader, prefix = _reference(batch, grouping)
     assert plan.group_leader.tolist() == leader
     assert plan.prefix_blocks.tolist() == prefix
@@ -153,14 +151,11 @@ def test_plan_invariants(seed: int) -> None:
         _check_invariants(_plan(batch, backend=backend, split_granularity=16, multiprocessors=3), batch)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("one_launch_plan", [False, True])
 @pytest.mark.parametrize("members", [16, 32])
-def test_triton_plan_equals_torch_plan(members: int, one_launch_plan: bool) -> None:
+def test_triton_plan_equals_torch_plan(members: int) -> None:
     # Members of a group may sit in any slot order on the device; every other field is the same as the torch twin.
     batch = make_decode_batch([70, 45, 300], [[5, 9, 0, 3], [12, 1, 7], [2] * 9], root_blocks=1, shuffle=True, seed=4)
-    device = _plan(
-        batch, backend="triton", prefix_block_m=members, split_granularity=16, one_launch_plan=one_launch_plan
-    )
+    device = _plan(batch, backend="triton", prefix_block_m=members, split_granularity=16)
     host = _plan(batch, backend="torch", prefix_block_m=members, split_granularity=16)
     for name in ("prefix_blocks", "group_leader", "work_start", "split_tokens", "num_groups", "saved_block_reads"):
         assert torch.equal(getattr(device, name), getattr(host, name)), name
@@ -172,12 +167,11 @@ def test_triton_plan_equals_torch_plan(members: int, one_launch_plan: bool) -> N
 
 def test_workspace_is_zero_again_after_each_plan() -> None:
     workspace = ForestWorkspace(200, "cpu")
-    for seed, one_launch_plan in [(0, False), (1, True), (2, False), (3, True), (4, True)]:
+    for seed in range(3):
         batch = _random_batch(seed)
-        plan = _plan(batch, backend="triton", workspace=workspace, one_launch_plan=one_launch_plan)
+        plan = _plan(batch, backend="triton", workspace=workspace)
         assert plan.group_leader.tolist() == _reference(batch, ForestGrouping())[0]
-        assert not workspace.counts.any() and not workspace.leader_slots.any()
-        assert not workspace.ticket.any() and not workspace.barrier.any()
+        assert not workspace.counts.any() and not workspace.leader_slots.any() and not workspace.ticket.any()
     with pytest.raises(PlanError, match="ForestWorkspace"):
         _plan(_random_batch(0), backend="triton", workspace=ForestWorkspace(2, "cpu"))
 
@@ -292,9 +286,8 @@ def test_batches_past_the_register_gather_limit_plan_like_the_torch_twin() -> No
     suffix_lens = [[rng.randint(0, 9) for _ in range(rng.choice([1, 1, 3, 7]))] for _ in prefix_lens]
     batch = make_decode_batch(prefix_lens, suffix_lens, root_blocks=1, shuffle=True, seed=5)
     assert batch.seq_lens.shape[0] > 128
+    device = _plan(batch, backend="triton", split_granularity=16)
     host = _plan(batch, backend="torch", split_granularity=16)
-    for one_launch_plan in (False, True):
-        device = _plan(batch, backend="triton", split_granularity=16, one_launch_plan=one_launch_plan)
-        for name in ("prefix_blocks", "group_leader", "work_start", "split_tokens", "num_groups", "saved_block_reads"):
-            assert torch.equal(getattr(device, name), getattr(host, name)), name
-        _check_invariants(device, batch)
+    for name in ("prefix_blocks", "group_leader", "work_start", "split_tokens", "num_groups", "saved_block_reads"):
+        assert torch.equal(getattr(device, name), getattr(host, name)), name
+    _check_invariants(device, batch)

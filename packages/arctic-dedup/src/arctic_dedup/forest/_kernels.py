@@ -1,7 +1,7 @@
 # mypy: disable-error-code="no-untyped-def"
 """Triton kernels for forest cascade decode (``@triton.jit`` code only).
 
-Planning (once per step, three launches or one, no host sync):
+Planning (once per step, three launches, no host sync):
 
 - ``plan_count_kernel``: one program per request; counts how many eligible table entries of the batch hold each
   physical block id (a histogram in a zeroed workspace).
@@ -11,8 +11,6 @@ Planning (once per step, three launches or one, no host sync):
   (``atomic_min`` of the common run, ``atomic_add`` of the size gives the member's rank), clears its histogram
   entries; the last program to finish (a ticket counter) builds the tiles and work lists for the whole batch and
   clears the rest of the workspace, so the workspace is zero again for the next step.
-- ``plan_one_launch_kernel``: the same three steps as three phases of one launch (``ForestKernelConfig.
-  one_launch_plan``), a grid barrier between them, each program taking every ``grid``-th request.
 - ``plan_paged_kernel``: the same finishing step for a plan without groups (the per-request kernel's work list).
 
 Decode (per layer, two launches; three when the prefix and suffix passes are split):
@@ -106,35 +104,6 @@ def _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blo
 
 
 @triton.jit
-def _count_request(
-    block_table_ptr,
-    seq_lens_ptr,
-    query_start_ptr,
-    counts_ptr,
-    group_min_ptr,
-    group_count_ptr,
-    request,
-    stride_table_row,
-    max_blocks,
-    num_cache_blocks,
-    block_size,
-    BLOCK_E: tl.constexpr,
-):
-    eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
-    row = block_table_ptr + tl.cast(request, tl.int64) * stride_table_row
-    for start in range(0, eligible, BLOCK_E):
-        depth = start + tl.arange(0, BLOCK_E)
-        valid = depth < eligible
-        ids = tl.load(row + depth, mask=valid, other=-1)
-        # Ids outside the cache are never counted, so they can never be shared (and never index out of bounds).
-        known = valid & (ids >= 0) & (ids < num_cache_blocks)
-        tl.atomic_add(counts_ptr + ids, 1, mask=known, sem="relaxed")
-    # The group pass lowers these with atomics; a common run never exceeds max_blocks.
-    tl.store(group_min_ptr + request, max_blocks)
-    tl.store(group_count_ptr + request, 0)
-
-
-@triton.jit
 def plan_count_kernel(
     block_table_ptr,
     seq_lens_ptr,
@@ -150,63 +119,19 @@ def plan_count_kernel(
     PDL: tl.constexpr,
 ):
     _follow_previous_launch(PDL)
-    _count_request(
-        block_table_ptr,
-        seq_lens_ptr,
-        query_start_ptr,
-        counts_ptr,
-        group_min_ptr,
-        group_count_ptr,
-        tl.program_id(0),
-        stride_table_row,
-        max_blocks,
-        num_cache_blocks,
-        block_size,
-        BLOCK_E,
-    )
-
-
-@triton.jit
-def _cut_request(
-    block_table_ptr,
-    seq_lens_ptr,
-    query_start_ptr,
-    counts_ptr,
-    leader_slot_ptr,
-    cut_key_ptr,
-    request,
-    stride_table_row,
-    max_blocks,
-    num_cache_blocks,
-    block_size,
-    num_requests,
-    min_group_size,
-    min_prefix_blocks,
-    BLOCK_E: tl.constexpr,
-    LOAD_CACHE: tl.constexpr,
-):
+    request = tl.program_id(0)
     eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
-    row = block_table_ptr + tl.cast(request, tl.int64) * stride_table_row
-    best = tl.zeros([], dtype=tl.int64)
-    best_depth = tl.zeros([], dtype=tl.int32)
+    row = block_table_ptr + request.to(tl.int64) * stride_table_row
     for start in range(0, eligible, BLOCK_E):
         depth = start + tl.arange(0, BLOCK_E)
         valid = depth < eligible
         ids = tl.load(row + depth, mask=valid, other=-1)
+        # Ids outside the cache are never counted, so they can never be shared (and never index out of bounds).
         known = valid & (ids >= 0) & (ids < num_cache_blocks)
-        shared = tl.load(counts_ptr + ids, mask=known, other=0, cache_modifier=LOAD_CACHE)
-        usable = known & (shared >= min_group_size) & (depth + 1 >= min_prefix_blocks)
-        savings = tl.where(usable, (shared - 1).to(tl.int64) * (depth + 1), 0)
-        chunk_best = tl.max(savings, 0)
-        # The first depth reaching the chunk's maximum; a later chunk wins only with a strictly larger saving.
-        chunk_depth = tl.min(tl.where(savings == chunk_best, depth, max_blocks), 0)
-        best_depth = tl.where(chunk_best > best, chunk_depth, best_depth)
-        best = tl.maximum(best, chunk_best)
-    candidate = best > 0
-    key = tl.load(row + best_depth, mask=candidate, other=-1)
-    tl.store(cut_key_ptr + request, tl.where(candidate, key, -1).to(tl.int32))
-    # The lowest request index cut at this block leads its group: the slot keeps the largest N - request.
-    tl.atomic_max(leader_slot_ptr + key, num_requests - request, mask=candidate, sem="relaxed")
+        tl.atomic_add(counts_ptr + ids, 1, mask=known, sem="relaxed")
+    # The group pass lowers these with atomics; a common run never exceeds max_blocks.
+    tl.store(group_min_ptr + request, max_blocks)
+    tl.store(group_count_ptr + request, 0)
 
 
 @triton.jit
@@ -228,24 +153,29 @@ def plan_cut_kernel(
     PDL: tl.constexpr,
 ):
     _follow_previous_launch(PDL)
-    _cut_request(
-        block_table_ptr,
-        seq_lens_ptr,
-        query_start_ptr,
-        counts_ptr,
-        leader_slot_ptr,
-        cut_key_ptr,
-        tl.program_id(0),
-        stride_table_row,
-        max_blocks,
-        num_cache_blocks,
-        block_size,
-        num_requests,
-        min_group_size,
-        min_prefix_blocks,
-        BLOCK_E,
-        "",
-    )
+    request = tl.program_id(0)
+    eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
+    row = block_table_ptr + request.to(tl.int64) * stride_table_row
+    best = tl.zeros([], dtype=tl.int64)
+    best_depth = tl.zeros([], dtype=tl.int32)
+    for start in range(0, eligible, BLOCK_E):
+        depth = start + tl.arange(0, BLOCK_E)
+        valid = depth < eligible
+        ids = tl.load(row + depth, mask=valid, other=-1)
+        known = valid & (ids >= 0) & (ids < num_cache_blocks)
+        shared = tl.load(counts_ptr + ids, mask=known, other=0)
+        usable = known & (shared >= min_group_size) & (depth + 1 >= min_prefix_blocks)
+        savings = tl.where(usable, (shared - 1).to(tl.int64) * (depth + 1), 0)
+        chunk_best = tl.max(savings, 0)
+        # The first depth reaching the chunk's maximum; a later chunk wins only with a strictly larger saving.
+        chunk_depth = tl.min(tl.where(savings == chunk_best, depth, max_blocks), 0)
+        best_depth = tl.where(chunk_best > best, chunk_depth, best_depth)
+        best = tl.maximum(best, chunk_best)
+    candidate = best > 0
+    key = tl.load(row + best_depth, mask=candidate, other=-1)
+    tl.store(cut_key_ptr + request, tl.where(candidate, key, -1).to(tl.int32))
+    # The lowest request index cut at this block leads its group: the slot keeps the largest N - request.
+    tl.atomic_max(leader_slot_ptr + key, num_requests - request, mask=candidate, sem="relaxed")
 
 
 @triton.jit
@@ -374,142 +304,6 @@ def _finish_plan(
 
 
 @triton.jit
-def _group_request(
-    block_table_ptr,
-    seq_lens_ptr,
-    query_start_ptr,
-    counts_ptr,
-    leader_slot_ptr,
-    cut_key_ptr,
-    leader_of_ptr,
-    rank_of_ptr,
-    group_min_ptr,
-    group_count_ptr,
-    request,
-    stride_table_row,
-    max_blocks,
-    num_cache_blocks,
-    block_size,
-    num_requests,
-    BLOCK_E: tl.constexpr,
-    LOAD_CACHE: tl.constexpr,
-):
-    key = tl.load(cut_key_ptr + request, cache_modifier=LOAD_CACHE)
-    candidate = key >= 0
-    leader = num_requests - tl.load(
-        leader_slot_ptr + key, mask=candidate, other=num_requests - request, cache_modifier=LOAD_CACHE
-    )
-    eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
-    limit = tl.minimum(eligible, _eligible_blocks(seq_lens_ptr, query_start_ptr, leader, block_size, max_blocks))
-    row = block_table_ptr + tl.cast(request, tl.int64) * stride_table_row
-    leader_row = block_table_ptr + leader.to(tl.int64) * stride_table_row
-    common = limit
-    for start in range(0, eligible, BLOCK_E):
-        depth = start + tl.arange(0, BLOCK_E)
-        valid = depth < eligible
-        ids = tl.load(row + depth, mask=valid, other=-1)
-        known = valid & (ids >= 0) & (ids < num_cache_blocks)
-        compared = depth < limit
-        leader_ids = tl.load(leader_row + depth, mask=compared, other=-1)
-        common = tl.minimum(common, tl.min(tl.where(compared & ~(known & (ids == leader_ids)), depth, limit), 0))
-        # The cut pass (the only reader of the histogram) has finished: clear this row's entries for the next step.
-        tl.store(counts_ptr + ids, 0, mask=known)
-    # Scalar atomics run on one thread in program order, so the acq_rel ticket that follows publishes all four.
-    tl.atomic_min(group_min_ptr + leader, common, mask=candidate, sem="relaxed")
-    rank = tl.atomic_add(group_count_ptr + leader, 1, mask=candidate, sem="relaxed")
-    tl.atomic_xchg(leader_of_ptr + request, leader, sem="relaxed")
-    tl.atomic_xchg(rank_of_ptr + request, tl.where(candidate, rank, -1), sem="relaxed")
-
-
-@triton.jit
-def _finish_after_last_ticket(
-    leader_slot_ptr,
-    ticket_ptr,
-    tickets,
-    cut_key_ptr,
-    leader_of_ptr,
-    rank_of_ptr,
-    group_min_ptr,
-    group_count_ptr,
-    first_tile_ptr,
-    first_member_ptr,
-    seq_lens_ptr,
-    prefix_blocks_ptr,
-    group_leader_ptr,
-    tile_of_ptr,
-    slot_in_tile_ptr,
-    tile_leader_ptr,
-    tile_prefix_blocks_ptr,
-    tile_member_start_ptr,
-    tile_member_count_ptr,
-    member_list_ptr,
-    work_start_ptr,
-    split_tokens_ptr,
-    stats_ptr,
-    ready_ptr,
-    ready_count,
-    num_requests,
-    block_size,
-    min_group_size,
-    min_prefix_blocks,
-    min_grouped_requests,
-    max_groups,
-    prefix_target_items,
-    suffix_target_items,
-    granularity,
-    MEMBERS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    LOAD_CACHE: tl.constexpr,
-):
-    # Returns whether this program took the last of ``tickets`` and so built the plan (and reset the ticket).
-    arrived = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    last = arrived == tickets - 1
-    if last:
-        # Every program has read its leader slots before taking its ticket: clear the claimed slots (issued first so
-        # the key loads overlap the finishing step's), the ticket last.
-        requests = tl.arange(0, BLOCK_R)
-        keys = tl.load(cut_key_ptr + requests, mask=requests < num_requests, other=-1, cache_modifier=LOAD_CACHE)
-        tl.store(leader_slot_ptr + keys, 0, mask=keys >= 0)
-        _finish_plan(
-            seq_lens_ptr,
-            leader_of_ptr,
-            rank_of_ptr,
-            group_min_ptr,
-            group_count_ptr,
-            first_tile_ptr,
-            first_member_ptr,
-            prefix_blocks_ptr,
-            group_leader_ptr,
-            tile_of_ptr,
-            slot_in_tile_ptr,
-            tile_leader_ptr,
-            tile_prefix_blocks_ptr,
-            tile_member_start_ptr,
-            tile_member_count_ptr,
-            member_list_ptr,
-            work_start_ptr,
-            split_tokens_ptr,
-            stats_ptr,
-            ready_ptr,
-            ready_count,
-            num_requests,
-            block_size,
-            min_group_size,
-            min_prefix_blocks,
-            min_grouped_requests,
-            max_groups,
-            prefix_target_items,
-            suffix_target_items,
-            granularity,
-            True,
-            MEMBERS,
-            BLOCK_R,
-        )
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
-    return last
-
-
-@triton.jit
 def plan_group_kernel(
     block_table_ptr,
     seq_lens_ptr,
@@ -556,232 +350,73 @@ def plan_group_kernel(
     PDL: tl.constexpr,
 ):
     _follow_previous_launch(PDL)
-    _group_request(
-        block_table_ptr,
-        seq_lens_ptr,
-        query_start_ptr,
-        counts_ptr,
-        leader_slot_ptr,
-        cut_key_ptr,
-        leader_of_ptr,
-        rank_of_ptr,
-        group_min_ptr,
-        group_count_ptr,
-        tl.program_id(0),
-        stride_table_row,
-        max_blocks,
-        num_cache_blocks,
-        block_size,
-        num_requests,
-        BLOCK_E,
-        "",
-    )
-    _finish_after_last_ticket(
-        leader_slot_ptr,
-        ticket_ptr,
-        num_requests,
-        cut_key_ptr,
-        leader_of_ptr,
-        rank_of_ptr,
-        group_min_ptr,
-        group_count_ptr,
-        first_tile_ptr,
-        first_member_ptr,
-        seq_lens_ptr,
-        prefix_blocks_ptr,
-        group_leader_ptr,
-        tile_of_ptr,
-        slot_in_tile_ptr,
-        tile_leader_ptr,
-        tile_prefix_blocks_ptr,
-        tile_member_start_ptr,
-        tile_member_count_ptr,
-        member_list_ptr,
-        work_start_ptr,
-        split_tokens_ptr,
-        stats_ptr,
-        ready_ptr,
-        ready_count,
-        num_requests,
-        block_size,
-        min_group_size,
-        min_prefix_blocks,
-        min_grouped_requests,
-        max_groups,
-        prefix_target_items,
-        suffix_target_items,
-        granularity,
-        MEMBERS,
-        BLOCK_R,
-        "",
-    )
-
-
-@triton.jit
-def _grid_barrier(counter_ptr, target):
-    # Every program of the launch adds one, then waits until the count reaches ``target`` (a multiple of the grid:
-    # one barrier after another needs no reset). The CTA barrier orders every thread's writes and atomics of this
-    # program before the release; the acquire that sees the full count makes every program's writes visible here.
-    # All programs must be resident at once: ``launch_plan`` runs at most one per multiprocessor, and one under the
-    # interpreter (which runs programs one after another).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
-    while arrived < target:
-        _back_off()
-        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def plan_one_launch_kernel(
-    block_table_ptr,
-    seq_lens_ptr,
-    query_start_ptr,
-    counts_ptr,
-    leader_slot_ptr,
-    ticket_ptr,
-    barrier_ptr,
-    cut_key_ptr,
-    leader_of_ptr,
-    rank_of_ptr,
-    group_min_ptr,
-    group_count_ptr,
-    first_tile_ptr,
-    first_member_ptr,
-    prefix_blocks_ptr,
-    group_leader_ptr,
-    tile_of_ptr,
-    slot_in_tile_ptr,
-    tile_leader_ptr,
-    tile_prefix_blocks_ptr,
-    tile_member_start_ptr,
-    tile_member_count_ptr,
-    member_list_ptr,
-    work_start_ptr,
-    split_tokens_ptr,
-    stats_ptr,
-    ready_ptr,
-    ready_count,
-    stride_table_row,
-    max_blocks,
-    num_cache_blocks,
-    block_size,
-    num_requests,
-    min_group_size,
-    min_prefix_blocks,
-    min_grouped_requests,
-    max_groups,
-    prefix_target_items,
-    suffix_target_items,
-    granularity,
-    MEMBERS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # The three planning launches as three phases of one, each program taking requests pid, pid + grid, ...;
-    # a grid barrier replaces each launch boundary, and data written by other programs is read around L1 (".cg").
-    _follow_previous_launch(PDL)
-    programs = tl.num_programs(0)
-    for request in range(tl.program_id(0), num_requests, programs):
-        _count_request(
-            block_table_ptr,
+    request = tl.program_id(0)
+    key = tl.load(cut_key_ptr + request)
+    candidate = key >= 0
+    leader = num_requests - tl.load(leader_slot_ptr + key, mask=candidate, other=num_requests - request)
+    eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
+    limit = tl.minimum(eligible, _eligible_blocks(seq_lens_ptr, query_start_ptr, leader, block_size, max_blocks))
+    row = block_table_ptr + request.to(tl.int64) * stride_table_row
+    leader_row = block_table_ptr + leader.to(tl.int64) * stride_table_row
+    common = limit
+    for start in range(0, eligible, BLOCK_E):
+        depth = start + tl.arange(0, BLOCK_E)
+        valid = depth < eligible
+        ids = tl.load(row + depth, mask=valid, other=-1)
+        known = valid & (ids >= 0) & (ids < num_cache_blocks)
+        compared = depth < limit
+        leader_ids = tl.load(leader_row + depth, mask=compared, other=-1)
+        common = tl.minimum(common, tl.min(tl.where(compared & ~(known & (ids == leader_ids)), depth, limit), 0))
+        # The cut pass (the only reader of the histogram) has finished: clear this row's entries for the next step.
+        tl.store(counts_ptr + ids, 0, mask=known)
+    # Scalar atomics run on one thread in program order, so the acq_rel ticket below publishes all four.
+    tl.atomic_min(group_min_ptr + leader, common, mask=candidate, sem="relaxed")
+    rank = tl.atomic_add(group_count_ptr + leader, 1, mask=candidate, sem="relaxed")
+    tl.atomic_xchg(leader_of_ptr + request, leader, sem="relaxed")
+    tl.atomic_xchg(rank_of_ptr + request, tl.where(candidate, rank, -1), sem="relaxed")
+    arrived = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if arrived == num_requests - 1:
+        # Every program has read its leader slot before taking its ticket: clear the claimed slots (issued first so
+        # the key loads overlap the finishing step's), the ticket last.
+        requests = tl.arange(0, BLOCK_R)
+        keys = tl.load(cut_key_ptr + requests, mask=requests < num_requests, other=-1)
+        tl.store(leader_slot_ptr + keys, 0, mask=keys >= 0)
+        _finish_plan(
             seq_lens_ptr,
-            query_start_ptr,
-            counts_ptr,
-            group_min_ptr,
-            group_count_ptr,
-            request,
-            stride_table_row,
-            max_blocks,
-            num_cache_blocks,
-            block_size,
-            BLOCK_E,
-        )
-    _grid_barrier(barrier_ptr, programs)
-    for request in range(tl.program_id(0), num_requests, programs):
-        _cut_request(
-            block_table_ptr,
-            seq_lens_ptr,
-            query_start_ptr,
-            counts_ptr,
-            leader_slot_ptr,
-            cut_key_ptr,
-            request,
-            stride_table_row,
-            max_blocks,
-            num_cache_blocks,
-            block_size,
-            num_requests,
-            min_group_size,
-            min_prefix_blocks,
-            BLOCK_E,
-            ".cg",
-        )
-    _grid_barrier(barrier_ptr, 2 * programs)
-    for request in range(tl.program_id(0), num_requests, programs):
-        _group_request(
-            block_table_ptr,
-            seq_lens_ptr,
-            query_start_ptr,
-            counts_ptr,
-            leader_slot_ptr,
-            cut_key_ptr,
             leader_of_ptr,
             rank_of_ptr,
             group_min_ptr,
             group_count_ptr,
-            request,
-            stride_table_row,
-            max_blocks,
-            num_cache_blocks,
-            block_size,
+            first_tile_ptr,
+            first_member_ptr,
+            prefix_blocks_ptr,
+            group_leader_ptr,
+            tile_of_ptr,
+            slot_in_tile_ptr,
+            tile_leader_ptr,
+            tile_prefix_blocks_ptr,
+            tile_member_start_ptr,
+            tile_member_count_ptr,
+            member_list_ptr,
+            work_start_ptr,
+            split_tokens_ptr,
+            stats_ptr,
+            ready_ptr,
+            ready_count,
             num_requests,
-            BLOCK_E,
-            ".cg",
+            block_size,
+            min_group_size,
+            min_prefix_blocks,
+            min_grouped_requests,
+            max_groups,
+            prefix_target_items,
+            suffix_target_items,
+            granularity,
+            True,
+            MEMBERS,
+            BLOCK_R,
         )
-    last = _finish_after_last_ticket(
-        leader_slot_ptr,
-        ticket_ptr,
-        programs,
-        cut_key_ptr,
-        leader_of_ptr,
-        rank_of_ptr,
-        group_min_ptr,
-        group_count_ptr,
-        first_tile_ptr,
-        first_member_ptr,
-        seq_lens_ptr,
-        prefix_blocks_ptr,
-        group_leader_ptr,
-        tile_of_ptr,
-        slot_in_tile_ptr,
-        tile_leader_ptr,
-        tile_prefix_blocks_ptr,
-        tile_member_start_ptr,
-        tile_member_count_ptr,
-        member_list_ptr,
-        work_start_ptr,
-        split_tokens_ptr,
-        stats_ptr,
-        ready_ptr,
-        ready_count,
-        num_requests,
-        block_size,
-        min_group_size,
-        min_prefix_blocks,
-        min_grouped_requests,
-        max_groups,
-        prefix_target_items,
-        suffix_target_items,
-        granularity,
-        MEMBERS,
-        BLOCK_R,
-        ".cg",
-    )
-    if last:
-        # Every program passed both barriers before taking its ticket: the count can start the next plan at zero.
-        tl.atomic_xchg(barrier_ptr, 0, sem="relaxed")
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
 
 
 @triton.jit

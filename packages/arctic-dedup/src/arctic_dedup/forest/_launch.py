@@ -195,41 +195,6 @@ def check_decode_inputs(
         raise PlanError(f"lse must be float32 [T, H_q] = {tuple(query.shape[:2])}, got {lse.dtype} {tuple(lse.shape)}.")
 
 
-def _group_outputs(views: dict[str, torch.Tensor]) -> tuple[Any, ...]:
-    """The plan buffers the finishing step writes, in the order of the planning kernels' arguments."""
-    names = (
-        "prefix_blocks",
-        "group_leader",
-        "tile_of",
-        "slot_in_tile",
-        "tile_leader",
-        "tile_prefix_blocks",
-        "tile_member_start",
-        "tile_member_count",
-        "member_list",
-        "work_start",
-        "split_tokens",
-        "num_groups",
-        "combine_ready",
-    )
-    return (*(views[name] for name in names), views["combine_ready"].numel())
-
-
-def _grouping_arguments(
-    grouping: ForestGrouping, num_requests: int, sizes: _Sizes, config: ForestKernelConfig
-) -> tuple[int, ...]:
-    """The grouping thresholds and work sizes of the finishing step, in the planning kernels' argument order."""
-    return (
-        grouping.min_group_size,
-        grouping.min_prefix_blocks,
-        math.ceil(grouping.min_grouped_fraction * num_requests),
-        -1 if grouping.max_groups is None else grouping.max_groups,
-        sizes.prefix_target_items,
-        sizes.suffix_target_items,
-        config.split_granularity,
-    )
-
-
 def launch_plan(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -241,13 +206,11 @@ def launch_plan(
     workspace: ForestWorkspace | None,
     config: ForestKernelConfig,
 ) -> None:
-    """Fill a plan's buffers on the device: three launches with grouping (one with ``config.one_launch_plan``), one
-    without; no host reads."""
+    """Fill a plan's buffers on the device: three launches with grouping, one without; no host reads."""
     from arctic_dedup.forest._kernels import (
         plan_count_kernel,
         plan_cut_kernel,
         plan_group_kernel,
-        plan_one_launch_kernel,
         plan_paged_kernel,
     )
 
@@ -282,44 +245,6 @@ def launch_plan(
     block_entries = min(1024, _next_power_of_two(max(16, max_blocks)))
     scratch = torch.empty(7 * num_requests, dtype=torch.int32, device=block_table.device)
     cut_key, leader_of, rank_of, group_min, group_count, first_tile, first_member = scratch.view(7, num_requests)
-    if config.one_launch_plan:
-        # Its programs meet at grid barriers, so all must be resident: at most one per multiprocessor, and one under
-        # the interpreter (which runs the programs of a launch one after another).
-        # The device's own count, not ``config.multiprocessors`` (a sizing knob that may be set larger).
-        programs = (
-            1
-            if interpreting()
-            else min(num_requests, torch.cuda.get_device_properties(block_table.device).multi_processor_count)
-        )
-        plan_one_launch_kernel[(programs,)](
-            block_table,
-            seq_lens,
-            query_start_loc,
-            workspace.counts,
-            workspace.leader_slots,
-            workspace.ticket,
-            workspace.barrier,
-            cut_key,
-            leader_of,
-            rank_of,
-            group_min,
-            group_count,
-            first_tile,
-            first_member,
-            *_group_outputs(views),
-            block_table.stride(0),
-            max_blocks,
-            workspace.num_cache_blocks,
-            block_size,
-            num_requests,
-            *_grouping_arguments(grouping, num_requests, sizes, config),
-            MEMBERS=sizes.members_per_tile,
-            BLOCK_R=block_requests,
-            BLOCK_E=block_entries,
-            num_warps=finish_warps,
-            **pdl,
-        )
-        return
     grid = (num_requests,)
     plan_count_kernel[grid](
         block_table,
@@ -366,13 +291,32 @@ def launch_plan(
         group_count,
         first_tile,
         first_member,
-        *_group_outputs(views),
+        views["prefix_blocks"],
+        views["group_leader"],
+        views["tile_of"],
+        views["slot_in_tile"],
+        views["tile_leader"],
+        views["tile_prefix_blocks"],
+        views["tile_member_start"],
+        views["tile_member_count"],
+        views["member_list"],
+        views["work_start"],
+        views["split_tokens"],
+        views["num_groups"],
+        views["combine_ready"],
+        views["combine_ready"].numel(),
         block_table.stride(0),
         max_blocks,
         workspace.num_cache_blocks,
         block_size,
         num_requests,
-        *_grouping_arguments(grouping, num_requests, sizes, config),
+        grouping.min_group_size,
+        grouping.min_prefix_blocks,
+        math.ceil(grouping.min_grouped_fraction * num_requests),
+        -1 if grouping.max_groups is None else grouping.max_groups,
+        sizes.prefix_target_items,
+        sizes.suffix_target_items,
+        config.split_granularity,
         MEMBERS=sizes.members_per_tile,
         BLOCK_R=block_requests,
         BLOCK_E=block_entries,

@@ -10,9 +10,8 @@ the number of leading full blocks that every member holds identically and that l
 query tokens, so a table that breaks the prefix-cache invariants can only make groups smaller, never wrong.
 
 On CUDA the builder is three Triton launches over the block tables (a block histogram, the cuts, the groups and
-work lists; or one launch with a grid barrier between those phases) with a reusable ``ForestWorkspace``: no
-``.item()``, no sorts, no dynamic shapes, so it runs inside a CUDA graph and never stalls the host. On CPU builds
-the same plan is built with plain torch.
+work lists) with a reusable ``ForestWorkspace``: no ``.item()``, no sorts, no dynamic shapes, so it runs inside a CUDA
+graph and never stalls the host. On CPU builds the same plan is built with plain torch.
 """
 
 from __future__ import annotations
@@ -112,10 +111,6 @@ class ForestKernelConfig:
             complete instead of after the whole attention launch; with dependent launches the combine then runs
             under the attention's last programs (same results; the last program to merge a request clears its
             count again). Ignored with ``fuse_combine``.
-        one_launch_plan: the planner's three launches (block histogram, cuts, groups and work lists) run as three
-            phases of one launch with a grid barrier between them (same plan). Its programs wait for each other, so
-            all must be resident at once: it runs at most one program per multiprocessor (one under the Triton
-            interpreter), each taking every grid-th request. Ignored by plans without groups (one launch already).
     """
 
     prefix_block_m: int = 64
@@ -135,7 +130,6 @@ class ForestKernelConfig:
     dependent_launches: bool = False
     chain_passes: bool = False
     early_combine: bool = False
-    one_launch_plan: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefix_block_m", "prefix_block_n", "suffix_block_n"):
@@ -183,21 +177,19 @@ def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors:
 class ForestWorkspace:
     """Device scratch of the group finder, zero between plans: keep one per KV cache and reuse it every step.
 
-    Holds a block histogram and a leader slot per cache block and two counters (``2 * (num_cache_blocks + 1)``
-    int32): the ticket of the last planning program and the grid barrier of the one-launch plan. Each plan leaves
-    it zero again, so steady-state planning needs no memset; plans that share a workspace must run in stream order
-    (one planner, one stream).
+    Holds a block histogram and a leader slot per cache block (``2 * (num_cache_blocks + 1)`` int32) and a ticket
+    counter. Each plan leaves it zero again, so steady-state planning needs no memset; plans that share a workspace
+    must run in stream order (one planner, one stream).
     """
 
     def __init__(self, num_cache_blocks: int, device: torch.device | str) -> None:
         if num_cache_blocks < 1:
             raise ValueError(f"num_cache_blocks must be >= 1, got {num_cache_blocks}")
         self.num_cache_blocks = num_cache_blocks
-        buffer = torch.zeros(2 * num_cache_blocks + 2, dtype=torch.int32, device=device)
+        buffer = torch.zeros(2 * num_cache_blocks + 1, dtype=torch.int32, device=device)
         self.counts = buffer[:num_cache_blocks]
         self.leader_slots = buffer[num_cache_blocks : 2 * num_cache_blocks]
-        self.ticket = buffer[2 * num_cache_blocks : 2 * num_cache_blocks + 1]
-        self.barrier = buffer[2 * num_cache_blocks + 1 :]
+        self.ticket = buffer[2 * num_cache_blocks :]
 
     @property
     def device(self) -> torch.device:
@@ -576,8 +568,7 @@ def plan_forest(
     """Find the groups of a decode batch and build the work lists of ``forest_decode``.
 
     The plan depends only on the block table and lengths, so build it once per step and pass it to every layer.
-    On CUDA it takes three small kernel launches (one with ``config.one_launch_plan``) and never synchronizes with
-    the host.
+    On CUDA it takes three small kernel launches and never synchronizes with the host.
 
     Args:
         block_table: ``[N, max_blocks]`` int32 physical KV block ids per request (paged KV cache).
