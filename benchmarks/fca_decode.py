@@ -612,7 +612,39 @@ def _variants() -> list[Variant]:
     # Larger batches' rule chains its split passes (round 17); variants of the side stream say so.
     chain = (("chain_passes", True),)
     side = (("chain_passes", False),)
+    # Round 20: one- and two-warp suffix programs (the prefix pass keeps 4 warps and 3 stages); split chained passes
+    # for both cases (the large-batch rule already has them).
+    chained_split = (("split_passes", True), ("chain_passes", True))
+    four_warp_prefix = DecodeKnobs(prefix_num_warps=4, prefix_num_stages=3)
     return [
+        Variant(
+            "v20_sw1",
+            "chained split passes, suffix programs of 1 warp (3 stages)",
+            None,
+            four_warp_prefix,
+            rule_changes=(*chained_split, ("num_warps", 1)),
+        ),
+        Variant(
+            "v20_sw1_s4",
+            "v20_sw1 with 4 stages in the suffix pass",
+            None,
+            four_warp_prefix,
+            rule_changes=(*chained_split, ("num_warps", 1), ("num_stages", 4)),
+        ),
+        Variant(
+            "v20_sw2",
+            "chained split passes, suffix programs of 2 warps (3 stages)",
+            None,
+            four_warp_prefix,
+            rule_changes=(*chained_split, ("num_warps", 2)),
+        ),
+        Variant(
+            "v20_sw1_w2",
+            "v20_sw1 with two suffix items per request for the single group (waves 2; the large-batch rule's already)",
+            None,
+            four_warp_prefix,
+            rule_changes=(*chained_split, ("num_warps", 1), ("waves", 2.0)),
+        ),
         # Round 18 (predictions in forest/NOTES.md): with chained passes RL-8x16's suffix items (one 256 KB item per
         # request and kv head, 35 us each at four per SM) end raggedly over the last ~16 us; waves 16 / 32 split
         # every suffix in two / four items (waves <= 8 still gives one 512-token item per request).

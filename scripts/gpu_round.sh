@@ -35,7 +35,8 @@
 #   fca-decode     the forest decode benchmark                           (~3 min)
 #   fca-diagnose   forest decode diagnosis (ARCTIC_FCA_ONLY=v5_default,...: only those variants;
 #                  ARCTIC_FCA_CASES=single_group_16x8704,...: those cases; ARCTIC_FCA_ROUNDS=3: the variant
-#                  list three times over, alternating)  (~3 min)
+#                  list three times over, alternating; ARCTIC_FCA_BUDGET_S / ARCTIC_FCA_LIMIT_S: the diagnosis's
+#                  --budget-s (default 170) and the stage's limit (default 240 s))  (~3 min)
 #   fca-loop-probe the forest inner loop alone with its page ids from the table (one step ahead / 64 at a
 #                  time), computed, or contiguous (fca_loop_probe.json)  (~1-2 min)
 #   fca-loop-sweep the same loop, one program per SM, tokens per item swept: fixed vs per-step cost (~1 min)
@@ -126,9 +127,9 @@ for stage in "$@"; do
     tree-sdpa-rule) run tree_sdpa_rule 240 python3 benchmarks/tree_attention.py --sdpa-rule --out "$out" ;;
     fca-decode) run fca_decode 240 python3 benchmarks/fca_decode.py --out "$out" ;;
     tree-sweep) run tree_sweep 240 python3 benchmarks/tree_attention.py --bwd-sweep --out "$out" ;;
-    fca-diagnose) run fca_diagnose 240 python3 benchmarks/fca_decode.py --diagnose --out "$out" \
+    fca-diagnose) run fca_diagnose "${ARCTIC_FCA_LIMIT_S:-240}" python3 benchmarks/fca_decode.py --diagnose --out "$out" \
       ${ARCTIC_FCA_ONLY:+--only "$ARCTIC_FCA_ONLY"} ${ARCTIC_FCA_CASES:+--cases "$ARCTIC_FCA_CASES"} \
-      ${ARCTIC_FCA_ROUNDS:+--rounds "$ARCTIC_FCA_ROUNDS"} ;;
+      ${ARCTIC_FCA_ROUNDS:+--rounds "$ARCTIC_FCA_ROUNDS"} ${ARCTIC_FCA_BUDGET_S:+--budget-s "$ARCTIC_FCA_BUDGET_S"} ;;
     fca-loop-probe) run fca_loop_probe 200 python3 benchmarks/fca_loop_probe.py --out "$out" ;;
     fca-loop-sweep) run fca_loop_sweep 200 python3 benchmarks/fca_loop_probe.py --sweep --out "$out" ;;
     fca-flat-probe) run fca_flat_probe 200 python3 benchmarks/fca_flat_probe.py --out "$out" ;;
