@@ -102,7 +102,7 @@ run() {  # run NAME SECONDS COMMAND...
 zorro=(python3 benchmarks/zorro_train.py --quick --out "$out")
 for stage in "$@"; do
   case "$stage" in
-    tests) OUT="$out" run gpu_tests 560 python3 -m nox -s gpu_tests ;;
+    tests) OUT="$out" run gpu_tests "${ARCTIC_TESTS_LIMIT_S:-560}" python3 -m nox -s gpu_tests ;;
     sdpa-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run sdpa_tests 150 python3 -m pytest -q -m gpu -k sdpa \
       -p no:cacheprovider packages/arctic-dedup/tests/attention/test_tree_attention_gpu.py ;;
     zorro-dense) run zorro_dense 240 "${zorro[@]}" --sections dense --dedup-backends sdpa flex --baselines hf_sdpa ;;
