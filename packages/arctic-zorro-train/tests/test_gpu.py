@@ -24,7 +24,10 @@ Run on the H200 with ``nox -s gpu_tests`` (or ``pytest -m gpu packages/arctic-zo
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -130,6 +133,26 @@ def _assert_as_exact_as_plain(
     assert not failures, f"{label}: deduplication adds gradient error beyond bf16 noise: " + "; ".join(failures)
 
 
+@contextlib.contextmanager
+def _torch_gated_delta_where_fla_refuses(model: Any) -> Iterator[None]:
+    """transformers' Gated DeltaNet layers call fla's chunk kernel whenever fla imports, and fla refuses the gated
+    backward on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue #640; the H200 image has Triton 3.6). Where it
+    does, the plain control runs transformers' own torch kernel for that call, as arctic-zorro-train's layers do."""
+    from arctic_zorro_train.gated_delta import _torch_chunk_rule_for, fla_unusable_reason
+
+    layers = [module for module in model.modules() if type(module).__name__.endswith("GatedDeltaNet")]
+    if not layers or fla_unusable_reason(torch.device("cuda"), torch.bfloat16) is None:
+        yield
+        return
+    modeling = sys.modules[type(layers[0]).__module__]
+    wrapped = modeling.torch_chunk_gated_delta_rule
+    modeling.torch_chunk_gated_delta_rule = _torch_chunk_rule_for(layers[0])
+    try:
+        yield
+    finally:
+        modeling.torch_chunk_gated_delta_rule = wrapped
+
+
 def plain_transformers_grads(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The policy-loss gradients of the unpatched transformers model run on each sample separately."""
     width = batch["responses"].shape[1]
@@ -137,14 +160,15 @@ def plain_transformers_grads(model: Any, batch: dict[str, torch.Tensor]) -> dict
     from arctic_zorro_train import ppo_policy_loss
 
     model.zero_grad(set_to_none=True)
-    reference = per_sample_reference(model, batch, width)
-    loss, _ = ppo_policy_loss(
-        reference.logprobs,
-        batch["old_log_probs"][valid],
-        batch["advantages"][valid],
-        batch["response_mask"][valid].float(),
-    )
-    loss.backward()
+    with _torch_gated_delta_where_fla_refuses(model):
+        reference = per_sample_reference(model, batch, width)
+        loss, _ = ppo_policy_loss(
+            reference.logprobs,
+            batch["old_log_probs"][valid],
+            batch["advantages"][valid],
+            batch["response_mask"][valid].float(),
+        )
+        loss.backward()
     return {name: grad.float() for name, grad in collect_grads(model).items()}
 
 
