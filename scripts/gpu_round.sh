@@ -7,7 +7,8 @@
 #           (from the repo root; carry .whl, and .tcache holding autotune.tar.gz from an earlier results.tar.gz)
 #
 # Stages (about how long on the H200):
-#   tests          nox -s gpu_tests                                     (~6-8 min: arctic-dedup alone 2.5 min)
+#   tests          nox -s gpu_tests (ARCTIC_TESTS_LIMIT_S: the stage limit, default 560 s)  (~9 min on 2026-12-02:
+#                  arctic-dedup 4 min, arctic-zorro-train 4.5 min)
 #   sdpa-tests     the GPU tests of tree attention's sdpa backend        (~1 min)
 #   zorro-dense    ZoRRO dense P=8192 G=16 R=512: sdpa and Flex dedup vs HF SDPA  (~2 min)
 #   zorro-ragged   the ragged variant                                    (~2 min)
