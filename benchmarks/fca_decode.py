@@ -616,47 +616,7 @@ def _variants() -> list[Variant]:
     # for both cases (the large-batch rule already has them).
     chained_split = (("split_passes", True), ("chain_passes", True))
     four_warp_prefix = DecodeKnobs(prefix_num_warps=4, prefix_num_stages=3)
-    # Round 21: uniform programs in one launch (DecodeKnobs.paired_programs_per_sm), each one prefix item and then
-    # its share of the suffix items, so that every SM streams the same bytes to the end.
-    one_launch = (("split_passes", False), ("chain_passes", False))
-    paired1 = DecodeKnobs(paired_programs_per_sm=1)
-    both_waves_2 = (("prefix_waves", 2.0), ("waves", 2.0))
     return [
-        Variant(
-            "v21_pair",
-            "one launch of paired programs (one prefix item, then every A-th suffix item; capacity 1 per SM)",
-            None,
-            paired1,
-            rule_changes=one_launch,
-        ),
-        Variant(
-            "v21_pair_s64",
-            "v21_pair with 64-token suffix tiles",
-            None,
-            paired1,
-            rule_changes=(*one_launch, ("suffix_block_n", 64)),
-        ),
-        Variant(
-            "v21_pair_w2",
-            "v21_pair with prefix_waves and waves 2 (single group: 256 programs of 128 + 128 KB)",
-            None,
-            paired1,
-            rule_changes=(*one_launch, *both_waves_2),
-        ),
-        Variant(
-            "v21_pair_w2_s64",
-            "v21_pair_w2 with 64-token suffix tiles",
-            None,
-            paired1,
-            rule_changes=(*one_launch, *both_waves_2, ("suffix_block_n", 64)),
-        ),
-        Variant(
-            "v21_pair2",
-            "v21_pair with a capacity of 2 per SM (RL-8x16: 33 slots per kv head for 32 prefix items)",
-            None,
-            DecodeKnobs(paired_programs_per_sm=2),
-            rule_changes=one_launch,
-        ),
         Variant(
             "v20_sw1",
             "chained split passes, suffix programs of 1 warp (3 stages)",

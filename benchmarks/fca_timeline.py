@@ -43,10 +43,6 @@ CASES = (
     ("rl8x16_adjacent", "default"),
     ("rl8x16_adjacent", "plain_combine_side_stream"),
     ("no_share_128x8704", "default"),
-    # Round 21: paired programs (a program's tag is its slot: "prefix item" marks slots that ran a prefix item
-    # before their suffix items, "suffix item" slots with suffix items only).
-    ("single_group_16x8704", "paired"),
-    ("rl8x16_adjacent", "paired"),
 )
 # variant -> (changes to the default rule's config, launch knobs)
 VARIANTS: dict[str, tuple[dict[str, Any], DecodeKnobs]] = {
@@ -55,7 +51,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], DecodeKnobs]] = {
     "plain_combine_side_stream": ({"early_combine": False, "chain_passes": False}, DecodeKnobs()),
     "prefix_waves_4": ({"prefix_waves": 4.0}, DecodeKnobs()),
     "interleaved_items": ({}, DecodeKnobs(interleave_items=True)),
-    "paired": ({"split_passes": False}, DecodeKnobs(paired_programs_per_sm=1)),
     "chained_w16": ({"waves": 16.0}, DecodeKnobs()),
     "early_s64_c32w4": ({"suffix_block_n": 64, "combine_num_warps": 4, "combine_chunk_cap": 32}, DecodeKnobs()),
 }

@@ -105,7 +105,7 @@ def forest_report() -> None:
     pointers.update({name: "*fp32" for name in ("lse_ptr", "prefix_part_out_ptr", "prefix_part_lse_ptr")})
     pointers.update({name: "*fp32" for name in ("suffix_part_out_ptr", "suffix_part_lse_ptr")})
     shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0}
-    shapes.update(PERSISTENT=False, TIMELINE=False, INTERLEAVE=False, PAIRED=False, EARLY=False)
+    shapes.update(PERSISTENT=False, TIMELINE=False, INTERLEAVE=False, EARLY=False)
     shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
     kernel = forest_kernels.forest_attention_kernel
     # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.
@@ -114,24 +114,19 @@ def forest_report() -> None:
         ints.update({f"stride_{cache}_block": 16384, f"stride_{cache}_token": 1024, f"stride_{cache}_head": 128})
         ints[f"stride_{cache}_dim"] = 1
     ints.update(stride_out_token=4096, stride_out_head=128, stride_out_dim=1, stride_lse_token=32, stride_lse_head=1)
-    ints.update(num_requests=128, head_dim=128, num_kv_heads=8, pair_capacity=17)
+    ints.update(num_requests=128, head_dim=128, num_kv_heads=8)
     # The early combine's counting passes (dependent launches: PDL mode 2) next to the default ones, and the single
     # group's one launch (both item kinds).
-    # Paired programs (DecodeKnobs.paired_programs_per_sm): the one launch with one prefix item and a loop of
-    # suffix items per program.
-    for pass_, label, prefix_n, suffix_n, early, paired in (
-        (1, "prefix pass", 64, 32, False, False),
-        (2, "suffix pass", 64, 32, False, False),
-        (2, "suffix pass", 64, 64, False, False),
-        (1, "prefix pass, early combine", 64, 32, True, False),
-        (2, "suffix pass, early combine", 64, 32, True, False),
-        (0, "one launch", 64, 32, False, False),
-        (0, "one launch, early combine", 64, 32, True, False),
-        (0, "paired, early combine", 64, 32, True, True),
-        (0, "paired, early combine", 64, 64, True, True),
+    for pass_, label, prefix_n, suffix_n, early in (
+        (1, "prefix pass", 64, 32, False),
+        (2, "suffix pass", 64, 32, False),
+        (2, "suffix pass", 64, 64, False),
+        (1, "prefix pass, early combine", 64, 32, True),
+        (2, "suffix pass, early combine", 64, 32, True),
+        (0, "one launch", 64, 32, False),
+        (0, "one launch, early combine", 64, 32, True),
     ):
         tiles = {**shapes, "PREFIX_BLOCK_N": prefix_n, "SUFFIX_BLOCK_N": suffix_n, "PASS": pass_, "EARLY": early}
-        tiles["PAIRED"] = paired
         tiles["PDL"] = 2 if early else 0
         block_n = prefix_n if pass_ == 1 else suffix_n
         report(f"forest {label} bf16 block_n {block_n}", kernel, pointers, tiles, 4, ("scale_log2",), 3, ints)

@@ -304,7 +304,7 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
 
 
 @pytest.mark.parametrize(
-    "variant", ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items", "paired_items"]
+    "variant", ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items"]
 )
 def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant: str) -> None:
     # Programmatic dependent launch (sm_90+; elsewhere the config field is ignored and this is a plain run): plan and
@@ -318,15 +318,13 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
     layers = _layers_of_one_step(21, 4, (300, 900), 200, max_samples=12, min_samples=2)
     first = layers[0]
     config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
-    config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items", "paired_items"))
+    config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items"))
     config = replace(config, chain_passes=variant in ("chained_passes", "persistent_suffix"))
     knobs = {
         # Round 13: a fixed suffix grid, two programs per SM capped at 128 registers, chained after the prefix pass.
         "persistent_suffix": DecodeKnobs(suffix_programs_per_sm=2, max_registers=128, prefix_max_registers=255),
         # Round 15: one launch, prefix and suffix items alternating over the programs.
         "interleaved_items": DecodeKnobs(interleave_items=True),
-        # Round 21: one launch of uniform programs, one prefix item and a share of the suffix items each.
-        "paired_items": DecodeKnobs(paired_programs_per_sm=1),
     }.get(variant, DecodeKnobs())
     outs = [torch.empty_like(layer.query) for layer in layers]
     lses = [torch.empty(layer.query.shape[:2], device="cuda") for layer in layers]
@@ -386,7 +384,7 @@ def test_launch_timeline_records_every_program() -> None:
 
 
 @pytest.mark.parametrize(
-    "variant", ["one_launch", "side_stream", "chained_passes", "combine_slices", "paged", "default_rule", "paired"]
+    "variant", ["one_launch", "side_stream", "chained_passes", "combine_slices", "paged", "default_rule"]
 )
 def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant: str) -> None:
     # ForestKernelConfig.early_combine: combine programs wait on per-(request, kv head) counts and run beside the
@@ -414,7 +412,7 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
 
         base = replace(default_forest_config(first.seq_lens.shape[0], 2, 16), early_combine=False)
         assert base.chain_passes and base.split_passes
-    knobs = DecodeKnobs(paired_programs_per_sm=1) if variant == "paired" else DecodeKnobs()
+    knobs = DecodeKnobs()
 
     def run(config: ForestKernelConfig) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
         outs = [torch.full_like(layer.query, float("nan")) for layer in layers]

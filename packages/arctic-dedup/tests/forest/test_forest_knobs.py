@@ -39,9 +39,6 @@ KNOBS = {
     "persistent_suffix": DecodeKnobs(split_passes=True, suffix_programs_per_sm=1),
     "persistent_suffix_chained": DecodeKnobs(split_passes=True, suffix_programs_per_sm=3),
     "interleaved_items": DecodeKnobs(interleave_items=True),
-    # Uniform programs (SMALL: 2 multiprocessors, 2 kv heads): one slot per prefix item, suffixes shared out.
-    "paired_items": DecodeKnobs(paired_programs_per_sm=1),
-    "paired_items_wide": DecodeKnobs(paired_programs_per_sm=4),
 }
 # Programmatic dependent launch is a CUDA (sm_90+) feature: without it a chain is the split launch on one stream.
 CHAINED = {"chained_passes", "persistent_suffix_chained"}
@@ -148,33 +145,6 @@ def test_persistent_suffix_pass_runs_every_item_of_its_slots() -> None:
         _run(batch, 2, DecodeKnobs(split_passes=True, suffix_programs_per_sm=per_sm), config)
 
 
-@pytest.mark.parametrize("per_sm", [1, 2, 64])
-def test_paired_programs_run_every_item_once(per_sm: int) -> None:
-    # More suffix items than prefix items (long suffixes, small splits), fewer (waves 1), and a capacity past both.
-    batch = make_decode_batch([300, 250, 33], [[40, 9, 0], [52, 1], [3]], queries_per_kv=2, seed=25)
-    for waves, prefix_waves in ((32.0, 2.0), (1.0, 16.0)):
-        config = replace(SMALL, waves=waves, prefix_waves=prefix_waves, early_combine=waves > 1.0)
-        plan = _plan(batch, 2, config=config)
-        prefix_items = int(plan.work_start[plan.num_requests])
-        suffix_items = int(plan.work_start[-1]) - prefix_items
-        assert prefix_items >= 1 and (suffix_items > prefix_items) == (waves > 1.0)
-        _run(batch, 2, DecodeKnobs(paired_programs_per_sm=per_sm), config)
-
-
-def test_paired_programs_need_one_launch() -> None:
-    with pytest.raises(ValueError, match="one launch"):
-        DecodeKnobs(paired_programs_per_sm=1, split_passes=True)
-    with pytest.raises(ValueError, match="one launch"):
-        DecodeKnobs(paired_programs_per_sm=1, interleave_items=True)
-    batch = make_decode_batch([40], [[3, 4]], seed=26)
-    plan = _plan(batch, 2, config=replace(SMALL, split_passes=True))
-    out, lse = _poisoned(batch)
-    with pytest.raises(PlanError, match="split_passes=False"):
-        launch_forest_decode(
-            batch.query, batch.key_cache, batch.value_cache, plan, 0.2, out, lse, DecodeKnobs(paired_programs_per_sm=1)
-        )
-
-
 def test_timelines_need_a_cuda_device() -> None:
     from arctic_dedup.forest._launch import LaunchTimeline
 
@@ -219,7 +189,6 @@ def test_prefix_pass_needs_groups() -> None:
         ("max_registers", 8, "max_registers"),
         ("prefix_max_registers", 300, "prefix_max_registers"),
         ("suffix_programs_per_sm", 0, "suffix_programs_per_sm"),
-        ("paired_programs_per_sm", 0, "paired_programs_per_sm"),
     ],
 )
 def test_knobs_are_validated(field: str, value: int, message: str) -> None:

@@ -81,11 +81,6 @@ class DecodeKnobs:
             of one program per item (``None``); e.g. 2 beside one prefix program per SM.
         interleave_items: a one-launch plan with groups alternates prefix and suffix items over the programs (even
             programs prefix items, odd ones suffix items) instead of all prefix items first.
-        paired_programs_per_sm: a one-launch plan with groups runs uniform programs instead of one per item: the
-            program of slot ``s`` (per kv head) runs prefix item ``s``, then suffix items ``s, s + A, s + 2A, ...``,
-            where ``A = max(prefix items, min(suffix items, ceil(this * multiprocessors / kv heads)))``; so each
-            program streams one prefix item and its share of the suffixes, and the launch's programs end together
-            (``None``: one program per item). Needs the one launch (not ``split_passes``).
         timeline: per-program timestamps of every launch (``LaunchTimeline``; CUDA only), ``None`` for none.
     """
 
@@ -100,7 +95,6 @@ class DecodeKnobs:
     combine_num_warps: int | None = None
     suffix_programs_per_sm: int | None = None
     interleave_items: bool = False
-    paired_programs_per_sm: int | None = None
     timeline: LaunchTimeline | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -113,12 +107,6 @@ class DecodeKnobs:
                 raise ValueError(f"{name} must be in [24, 255] or None, got {registers}")
         if self.suffix_programs_per_sm is not None and self.suffix_programs_per_sm < 1:
             raise ValueError(f"suffix_programs_per_sm must be >= 1 or None, got {self.suffix_programs_per_sm}")
-        if self.paired_programs_per_sm is not None and self.paired_programs_per_sm < 1:
-            raise ValueError(f"paired_programs_per_sm must be >= 1 or None, got {self.paired_programs_per_sm}")
-        if self.paired_programs_per_sm is not None and (self.split_passes or self.interleave_items):
-            raise ValueError(
-                "paired_programs_per_sm runs both kinds of items in one launch: drop split_passes and interleave_items"
-            )
 
 
 DEFAULT_KNOBS = DecodeKnobs()
@@ -438,20 +426,6 @@ def launch_attention(
     one_launch = plan.max_prefix_work + plan.max_suffix_work
     if interleave:
         one_launch = 2 * max(plan.max_prefix_work, plan.max_suffix_work)
-    paired = knobs.paired_programs_per_sm is not None and plan.shares
-    if paired and passes != (0,):
-        raise PlanError(
-            f"paired_programs_per_sm runs prefix and suffix items in one launch, but this call runs passes={passes} "
-            "(split passes from the plan's config or the call); plan with split_passes=False and fuse_combine=False."
-        )
-    pair_capacity = 1
-    if paired:
-        from arctic_dedup.forest.plan import _multiprocessors
-
-        pair_per_sm = knobs.paired_programs_per_sm or 1
-        pair_capacity = max(1, math.ceil(pair_per_sm * _multiprocessors(query.device, config) / num_kv_heads))
-        # Slots: at most every prefix item or the capacity, whichever is more (the kernel takes A of them).
-        one_launch = max(plan.max_prefix_work, min(pair_capacity, plan.max_suffix_work), 1)
 
     def launch(which: int) -> Any:
         programs = {0: one_launch, 1: plan.max_prefix_work, 2: suffix_slots}
@@ -508,7 +482,6 @@ def launch_attention(
             num_requests,
             head_dim,
             num_kv_heads,
-            pair_capacity,
             timeline,
             HAS_PREFIX=plan.shares,
             FUSE=fuse,
@@ -528,7 +501,6 @@ def launch_attention(
             EARLY=early,
             PERSISTENT=per_sm is not None and which == 2,
             INTERLEAVE=interleave and which == 0,
-            PAIRED=paired and which == 0,
             TIMELINE=knobs.timeline is not None,
             num_warps=warps,
             num_stages=stages,
