@@ -182,6 +182,17 @@ SWEEP_SHAPES = (
     ProbeShape("sweep 16x32 3 stages, 256 programs x 512 tokens (2 per SM)", 16, 32, 32, 512, 3, AHEAD),
     ProbeShape("sweep 16x32 3 stages, 512 programs x 512 tokens (4 per SM)", 16, 32, 64, 512, 3, AHEAD),
 )
+# --suffix-ids (round 22): the 16-row suffix loop by id source and stages. Its per-step cost (0.78 us per 16 KB step
+# alone on an SM, 4-6 stages no better) looks like one round trip per step: is it the page-id load the next K/V copy
+# waits for? One item of 512 tokens per program is one table chunk, so every mode runs.
+SUFFIX_ID_SHAPES = tuple(
+    ProbeShape(
+        f"suffix ids 16x{block_n} {stages} stages, {items * 8} programs x 512 tokens", 16, block_n, items, 512, stages
+    )
+    for block_n in (32, 64)
+    for stages in (3, 4, 6)
+    for items in (16, 64)
+)
 SMOKE_SHAPES = (ProbeShape("smoke 16x16", 16, 16, 2, 128), ProbeShape("smoke 16x32", 16, 32, 3, 256, 4))
 
 
@@ -260,6 +271,9 @@ def main() -> None:
     parser.add_argument(
         "--sweep", action="store_true", help="one program per SM, tokens per item swept (fixed vs step)"
     )
+    parser.add_argument(
+        "--suffix-ids", action="store_true", help="the 16-row suffix loop by page-id source, tile and stages"
+    )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -267,7 +281,8 @@ def main() -> None:
     started = time.time()
     heads, head_dim, page = (2, 32, 16) if args.smoke else (8, 128, 16)
     rows: list[dict[str, Any]] = []
-    for shape in SMOKE_SHAPES if args.smoke else (SWEEP_SHAPES if args.sweep else SHAPES):
+    chosen = SUFFIX_ID_SHAPES if args.suffix_ids else (SWEEP_SHAPES if args.sweep else SHAPES)
+    for shape in SMOKE_SHAPES if args.smoke else chosen:
         setup = Setup(shape, heads, head_dim, page, 1 if args.smoke else 4, device)
         for mode_name in shape.modes:
             mode = MODES[mode_name]
@@ -291,7 +306,10 @@ def main() -> None:
     summary = {"seconds": time.time() - started, "ok": not bad}
     print_table(rows, ["shape", "ids", "stages", "us", "MB", "TBps", "registers", "shared_KB", "max_abs_error"])
     path = write_results(
-        args.out or default_out_dir(), "fca_loop_probe_sweep" if args.sweep else "fca_loop_probe", summary, rows
+        args.out or default_out_dir(),
+        "fca_loop_probe_suffix_ids" if args.suffix_ids else "fca_loop_probe_sweep" if args.sweep else "fca_loop_probe",
+        summary,
+        rows,
     )
     print(f"{'ok' if not bad else 'FAILED'} in {summary['seconds']:.0f} s | wrote {path}", flush=True)
     if bad:

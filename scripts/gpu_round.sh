@@ -41,6 +41,8 @@
 #   fca-loop-probe the forest inner loop alone with its page ids from the table (one step ahead / 64 at a
 #                  time), computed, or contiguous (fca_loop_probe.json)  (~1-2 min)
 #   fca-loop-sweep the same loop, one program per SM, tokens per item swept: fixed vs per-step cost (~1 min)
+#   fca-suffix-ids the 16-row suffix loop by page-id source (table, hashed, contiguous, chunk gather), tile and
+#                  stages, one and four programs per SM (fca_loop_probe_suffix_ids.json)  (~1 min)
 #   fca-flat-probe the same loop laid flat across work items (fixed grids, partials merged) against one program per
 #                  item, and a read-only kernel's ceiling (fca_flat_probe.json)  (~1 min)
 #   fca-timeline   every attention and combine program's start, end and SM for the single group, RL-8x16 and no
@@ -133,6 +135,7 @@ for stage in "$@"; do
       ${ARCTIC_FCA_ROUNDS:+--rounds "$ARCTIC_FCA_ROUNDS"} ${ARCTIC_FCA_BUDGET_S:+--budget-s "$ARCTIC_FCA_BUDGET_S"} ;;
     fca-loop-probe) run fca_loop_probe 200 python3 benchmarks/fca_loop_probe.py --out "$out" ;;
     fca-loop-sweep) run fca_loop_sweep 200 python3 benchmarks/fca_loop_probe.py --sweep --out "$out" ;;
+    fca-suffix-ids) run fca_suffix_ids 200 python3 benchmarks/fca_loop_probe.py --suffix-ids --out "$out" ;;
     fca-flat-probe) run fca_flat_probe 200 python3 benchmarks/fca_flat_probe.py --out "$out" ;;
     fca-timeline) run fca_timeline 200 python3 benchmarks/fca_timeline.py --out "$out" ;;
     fca-paged-order) run fca_paged_order 150 python3 benchmarks/fca_decode.py --paged-order --out "$out" ;;

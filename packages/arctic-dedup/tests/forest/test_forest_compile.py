@@ -43,7 +43,7 @@ def _compile(kernel: object, constants: dict[str, object], num_warps: int, num_s
                 signature[name] = "fp32" if name == "scale_log2" else "i32"
             if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    for flag in ("PDL", "TIMELINE", "PERSISTENT", "INTERLEAVE", "PAIRED"):
+    for flag in ("PDL", "TIMELINE", "PERSISTENT", "INTERLEAVE"):
         if flag in kernel.arg_names and flag not in constants:  # type: ignore[attr-defined]
             signature[flag], constexprs[flag] = "constexpr", 0
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -142,9 +142,8 @@ def _compile_all() -> None:
     # The early combine: attention items wait for the plan before letting the combine start and release their
     # counts after their stores; the combine lets the next launch start at once, polls its count with sleeps, reads
     # around L1 and waits for the attention launch only at its very end.
-    # Paired programs (round 21) run one prefix item and a loop of suffix items: two counting sites as well.
-    for pass_, paired in ((0, False), (1, False), (2, False), (0, True)):
-        counting = compile_attention(True, PDL=2, PASS=pass_, EARLY=True, PAIRED=paired).asm["ptx"]  # type: ignore[attr-defined]
+    for pass_ in (0, 1, 2):
+        counting = compile_attention(True, PDL=2, PASS=pass_, EARLY=True).asm["ptx"]  # type: ignore[attr-defined]
         assert 0 <= counting.find("griddepcontrol.wait") < counting.find("griddepcontrol.launch_dependents")
         release = counting.rfind("atom.global.gpu.release")
         assert counting.rfind("st.global", 0, release) < counting.rfind("bar.sync", 0, release), pass_
@@ -185,9 +184,6 @@ def _compile_diagnosis_variants() -> None:
         ({"PASS": 2, "PERSISTENT": True}, 4, 3),
         # Round 15: one launch with prefix and suffix items alternating over the programs.
         ({"PREFIX_BLOCK_N": 64, "INTERLEAVE": True}, 4, 3),
-        # Round 21: paired programs, one prefix item then a loop of suffix items (32- and 64-token suffix tiles).
-        ({"PREFIX_BLOCK_N": 64, "PAIRED": True, "EARLY": True}, 4, 3),
-        ({"PREFIX_BLOCK_N": 64, "SUFFIX_BLOCK_N": 64, "PAIRED": True, "EARLY": True}, 4, 3),
     ]
     for overrides, num_warps, num_stages in attention:
         compiled = compile_attention(True, num_warps, num_stages, **overrides)
