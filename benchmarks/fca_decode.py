@@ -617,21 +617,6 @@ def _variants() -> list[Variant]:
     chained_split = (("split_passes", True), ("chain_passes", True))
     four_warp_prefix = DecodeKnobs(prefix_num_warps=4, prefix_num_stages=3)
     return [
-        # Round 22 (predictions in forest/NOTES.md): suffix and per-request items load all their page ids before
-        # the loop and gather each step's from registers, so no K/V copy waits on an id load.
-        Variant(
-            "v22_ids",
-            "the default rule with each suffix item's page ids loaded once",
-            None,
-            DecodeKnobs(item_page_ids=True),
-        ),
-        Variant(
-            "v22_ids_s4",
-            "v22_ids with 4 stages",
-            None,
-            DecodeKnobs(item_page_ids=True),
-            rule_changes=(("num_stages", 4),),
-        ),
         Variant(
             "v20_sw1",
             "chained split passes, suffix programs of 1 warp (3 stages)",

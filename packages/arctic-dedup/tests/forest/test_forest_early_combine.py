@@ -35,7 +35,6 @@ LAYOUTS = {
     "chained": (replace(EARLY, split_passes=True, chain_passes=True, dependent_launches=True), DecodeKnobs()),
     "persistent_suffix": (EARLY, DecodeKnobs(split_passes=True, suffix_programs_per_sm=1)),
     "interleaved": (EARLY, DecodeKnobs(interleave_items=True)),
-    "item_page_ids": (EARLY, DecodeKnobs(item_page_ids=True)),
     # Two or four combine programs per (request, kv head): the last slice to arrive clears the count.
     "combine_slices": (replace(EARLY, combine_dim_block=16, combine_num_warps=1, combine_chunk_cap=2), DecodeKnobs()),
     "default_rule_one_wave": (_small(replace(default_forest_config(16, 8, 132), early_combine=True)), DecodeKnobs()),

@@ -304,8 +304,7 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
 
 
 @pytest.mark.parametrize(
-    "variant",
-    ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items", "item_page_ids"],
+    "variant", ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items"]
 )
 def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant: str) -> None:
     # Programmatic dependent launch (sm_90+; elsewhere the config field is ignored and this is a plain run): plan and
@@ -326,8 +325,6 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
         "persistent_suffix": DecodeKnobs(suffix_programs_per_sm=2, max_registers=128, prefix_max_registers=255),
         # Round 15: one launch, prefix and suffix items alternating over the programs.
         "interleaved_items": DecodeKnobs(interleave_items=True),
-        # Round 22: suffix items load their page ids once, before the loop.
-        "item_page_ids": DecodeKnobs(item_page_ids=True),
     }.get(variant, DecodeKnobs())
     outs = [torch.empty_like(layer.query) for layer in layers]
     lses = [torch.empty(layer.query.shape[:2], device="cuda") for layer in layers]

@@ -39,9 +39,6 @@ KNOBS = {
     "persistent_suffix": DecodeKnobs(split_passes=True, suffix_programs_per_sm=1),
     "persistent_suffix_chained": DecodeKnobs(split_passes=True, suffix_programs_per_sm=3),
     "interleaved_items": DecodeKnobs(interleave_items=True),
-    # Round 22: each item's page ids in one load before its loop, gathered per step.
-    "item_page_ids": DecodeKnobs(item_page_ids=True),
-    "item_page_ids_split": DecodeKnobs(item_page_ids=True, split_passes=True),
 }
 # Programmatic dependent launch is a CUDA (sm_90+) feature: without it a chain is the split launch on one stream.
 CHAINED = {"chained_passes", "persistent_suffix_chained"}
@@ -146,32 +143,6 @@ def test_persistent_suffix_pass_runs_every_item_of_its_slots() -> None:
     assert items > plan.num_requests + 4
     for per_sm in (1, items):
         _run(batch, 2, DecodeKnobs(split_passes=True, suffix_programs_per_sm=per_sm), config)
-
-
-@pytest.mark.parametrize("max_ids", [2048, 8])
-def test_item_page_ids_on_long_items_and_wide_tables(max_ids: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Per-request items of ~40 pages and a forest's suffix items; a table wider than the cap keeps the per-step load.
-    from arctic_dedup.forest import _launch
-
-    monkeypatch.setattr(_launch, "MAX_ITEM_PAGE_IDS", max_ids)
-    batch = make_decode_batch([300, 45], [[340, 9, 0], [652, 1]], queries_per_kv=2, seed=27)
-    scale = batch.query.shape[2] ** -0.5
-    knobs = DecodeKnobs(item_page_ids=True)
-    for config in (replace(SMALL, waves=0.5), replace(SMALL, waves=8.0)):
-        paged = plan_paged(
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start_loc,
-            block_size=16,
-            max_query_len=1,
-            queries_per_kv=2,
-            num_kv_heads=2,
-            config=config,
-        )
-        out, lse = _poisoned(batch)
-        launch_forest_decode(batch.query, batch.key_cache, batch.value_cache, paged, scale, out, lse, knobs)
-        _assert_close(out, lse, _reference(batch, scale), 1e-5)
-        _run(batch, 2, knobs, config)
 
 
 def test_timelines_need_a_cuda_device() -> None:

@@ -508,52 +508,9 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ID_CHUNK: tl.constexpr,
 ):
     dims = tl.arange(0, HEAD_DIM)
     dim_ok = dims < head_dim
-    if ID_CHUNK > 0:
-        # Every page id of the item in one load before the loop (ID_CHUNK >= the item's pages: the launcher sizes it
-        # from the table's width), each step's gathered from registers: no K/V copy waits on an id load in the loop.
-        # Suffix and per-request items only (prefix items pass 0: their 64-row steps do not wait on ids, round 9).
-        first_page = token_start // PAGE
-        slots = tl.arange(0, ID_CHUNK)
-        last_page = (token_end + PAGE - 1) // PAGE
-        item_pages = tl.load(block_row_ptr + first_page + slots, mask=first_page + slots < last_page, other=0)
-        for token_base in range(token_start, token_end, BLOCK_N):
-            tokens = token_base + tl.arange(0, BLOCK_N)
-            token_ok = tokens < token_end
-            local = tl.minimum(tokens // PAGE - first_page, ID_CHUNK - 1)
-            pages = tl.gather(item_pages, local, 0).to(tl.int64)
-            m_i, l_i, acc = _attend_tile(
-                q,
-                k_ptr,
-                v_ptr,
-                pages,
-                tokens,
-                token_ok,
-                dims,
-                dim_ok,
-                kv_head,
-                query_position,
-                m_i,
-                l_i,
-                acc,
-                scale_log2,
-                stride_k_block,
-                stride_k_token,
-                stride_k_head,
-                stride_k_dim,
-                stride_v_block,
-                stride_v_token,
-                stride_v_head,
-                stride_v_dim,
-                PAGE,
-                CAUSAL,
-                UPCAST,
-                DOT_PRECISION,
-            )
-        return m_i, l_i, acc
     # Block ids are loaded one step ahead: a K/V address that depends on a load of the same step stops Triton's
     # pipeliner from prefetching K/V (one tile in flight per program instead of num_stages - 1; seen in the sm_90
     # shared-memory size), so the ids arrive through the loop instead. The pipelined loop still issues each K/V copy
@@ -568,89 +525,29 @@ def _attend_block(
         pages = next_pages.to(tl.int64)
         next_tokens = tokens + BLOCK_N
         next_pages = tl.load(block_row_ptr + next_tokens // PAGE, mask=next_tokens < token_end, other=0)
-        m_i, l_i, acc = _attend_tile(
-            q,
-            k_ptr,
-            v_ptr,
-            pages,
-            tokens,
-            token_ok,
-            dims,
-            dim_ok,
-            kv_head,
-            query_position,
-            m_i,
-            l_i,
-            acc,
-            scale_log2,
-            stride_k_block,
-            stride_k_token,
-            stride_k_head,
-            stride_k_dim,
-            stride_v_block,
-            stride_v_token,
-            stride_v_head,
-            stride_v_dim,
-            PAGE,
-            CAUSAL,
-            UPCAST,
-            DOT_PRECISION,
-        )
+        within = (tokens % PAGE).to(tl.int64)
+        k_rows = pages * stride_k_block + within * stride_k_token + kv_head * stride_k_head
+        v_rows = pages * stride_v_block + within * stride_v_token + kv_head * stride_v_head
+        load_mask = token_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :].to(tl.int64) * stride_k_dim, mask=load_mask, other=0.0)
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :].to(tl.int64) * stride_v_dim, mask=load_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = token_ok[None, :]
+        if CAUSAL:
+            visible = visible & (tokens[None, :] <= query_position[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
     return m_i, l_i, acc
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    k_ptr,
-    v_ptr,
-    pages,
-    tokens,
-    token_ok,
-    dims,
-    dim_ok,
-    kv_head,
-    query_position,
-    m_i,
-    l_i,
-    acc,
-    scale_log2,
-    stride_k_block,
-    stride_k_token,
-    stride_k_head,
-    stride_k_dim,
-    stride_v_block,
-    stride_v_token,
-    stride_v_head,
-    stride_v_dim,
-    PAGE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    # One online-softmax step over the K/V rows of ``tokens`` (on ``pages``, int64).
-    within = (tokens % PAGE).to(tl.int64)
-    k_rows = pages * stride_k_block + within * stride_k_token + kv_head * stride_k_head
-    v_rows = pages * stride_v_block + within * stride_v_token + kv_head * stride_v_head
-    load_mask = token_ok[:, None] & dim_ok[None, :]
-    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :].to(tl.int64) * stride_k_dim, mask=load_mask, other=0.0)
-    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :].to(tl.int64) * stride_v_dim, mask=load_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    visible = token_ok[None, :]
-    if CAUSAL:
-        visible = visible & (tokens[None, :] <= query_position[:, None])
-    scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(scores - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -766,7 +663,6 @@ def _prefix_item(
         HEAD_DIM,
         UPCAST,
         DOT_PRECISION,
-        0,
     )
     out, lse = _finish_rows(m_i, l_i, acc)
     row_index = ((work + tl.zeros([], dtype=tl.int64)) * num_kv_heads + kv_head) * BLOCK_M + rows
@@ -838,7 +734,6 @@ def _suffix_item(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY: tl.constexpr,
-    ID_CHUNK: tl.constexpr,
 ):
     split_tokens = tl.load(split_tokens_ptr + 1)
     seq_len = tl.load(seq_lens_ptr + request)
@@ -893,7 +788,6 @@ def _suffix_item(
         HEAD_DIM,
         UPCAST,
         DOT_PRECISION,
-        ID_CHUNK,
     )
     out, lse = _finish_rows(m_i, l_i, acc)
     direct = item_count == 1
@@ -1052,7 +946,6 @@ def _run_item(
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
     EARLY: tl.constexpr,
-    ID_CHUNK: tl.constexpr,
     ends,
     prefix_total,
     work,
@@ -1177,7 +1070,6 @@ def _run_item(
             UPCAST,
             DOT_PRECISION,
             EARLY,
-            ID_CHUNK,
         )
 
 
@@ -1246,7 +1138,6 @@ def forest_attention_kernel(
     EARLY: tl.constexpr,
     PERSISTENT: tl.constexpr,
     INTERLEAVE: tl.constexpr,
-    ID_CHUNK: tl.constexpr,
     TIMELINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -1343,7 +1234,6 @@ def forest_attention_kernel(
                 DOT_PRECISION,
                 PASS,
                 EARLY,
-                ID_CHUNK,
                 ends,
                 prefix_total,
                 slot_work,
@@ -1410,7 +1300,6 @@ def forest_attention_kernel(
             DOT_PRECISION,
             PASS,
             EARLY,
-            ID_CHUNK,
             ends,
             prefix_total,
             work,

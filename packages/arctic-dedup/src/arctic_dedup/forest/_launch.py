@@ -29,8 +29,6 @@ __all__ = [
 
 # Partials of one combine chunk held in registers at once (floats): 64 per thread with 4 warps.
 COMBINE_CHUNK_FLOATS = 8192
-# Most page ids an attention item holds in registers with ``DecodeKnobs.item_page_ids`` (16 per thread at 4 warps).
-MAX_ITEM_PAGE_IDS = 2048
 
 
 @dataclass
@@ -83,10 +81,6 @@ class DecodeKnobs:
             of one program per item (``None``); e.g. 2 beside one prefix program per SM.
         interleave_items: a one-launch plan with groups alternates prefix and suffix items over the programs (even
             programs prefix items, odd ones suffix items) instead of all prefix items first.
-        item_page_ids: every suffix (and per-request) item loads all its page ids before its loop (one vector load
-            of up to the table's width, rounded to a power of two, at most ``MAX_ITEM_PAGE_IDS``; wider tables keep
-            the per-step load) and each step gathers its pages from registers, so no K/V copy waits for an id load in
-            the loop (prefix items keep the per-step load).
         timeline: per-program timestamps of every launch (``LaunchTimeline``; CUDA only), ``None`` for none.
     """
 
@@ -101,7 +95,6 @@ class DecodeKnobs:
     combine_num_warps: int | None = None
     suffix_programs_per_sm: int | None = None
     interleave_items: bool = False
-    item_page_ids: bool = False
     timeline: LaunchTimeline | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -429,10 +422,6 @@ def launch_attention(
         wanted = math.ceil(per_sm * _multiprocessors(query.device, config) / num_kv_heads)
         suffix_slots = max(1, min(plan.max_suffix_work, wanted))
 
-    # Item page ids in registers: any item spans at most the table's width in pages.
-    id_chunk = _next_power_of_two(max(2, table.shape[1] + 1)) if knobs.item_page_ids else 0
-    if id_chunk > MAX_ITEM_PAGE_IDS:
-        id_chunk = 0
     interleave = knobs.interleave_items and plan.shares and passes == (0,)
     one_launch = plan.max_prefix_work + plan.max_suffix_work
     if interleave:
@@ -512,7 +501,6 @@ def launch_attention(
             EARLY=early,
             PERSISTENT=per_sm is not None and which == 2,
             INTERLEAVE=interleave and which == 0,
-            ID_CHUNK=id_chunk,
             TIMELINE=knobs.timeline is not None,
             num_warps=warps,
             num_stages=stages,
