@@ -11,6 +11,8 @@ Planning (once per step, three launches, no host sync):
   (``atomic_min`` of the common run, ``atomic_add`` of the size gives the member's rank), clears its histogram
   entries; the last program to finish (a ticket counter) builds the tiles and work lists for the whole batch and
   clears the rest of the workspace, so the workspace is zero again for the next step.
+- ``plan_small_kernel``: all of the above in one program for a batch whose table fits its registers (leaders,
+  group sizes and ranks as reductions over request pairs; ranks in request order), one launch instead of three.
 - ``plan_paged_kernel``: the same finishing step for a plan without groups (the per-request kernel's work list).
 
 Decode (per layer, two launches; three when the prefix and suffix passes are split):
@@ -417,6 +419,141 @@ def plan_group_kernel(
             BLOCK_R,
         )
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
+
+
+@triton.jit
+def plan_small_kernel(
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    counts_ptr,
+    leader_of_ptr,
+    rank_of_ptr,
+    group_min_ptr,
+    group_count_ptr,
+    first_tile_ptr,
+    first_member_ptr,
+    prefix_blocks_ptr,
+    group_leader_ptr,
+    tile_of_ptr,
+    slot_in_tile_ptr,
+    tile_leader_ptr,
+    tile_prefix_blocks_ptr,
+    tile_member_start_ptr,
+    tile_member_count_ptr,
+    member_list_ptr,
+    work_start_ptr,
+    split_tokens_ptr,
+    stats_ptr,
+    ready_ptr,
+    ready_count,
+    stride_table_row,
+    max_blocks,
+    num_cache_blocks,
+    block_size,
+    num_requests,
+    min_group_size,
+    min_prefix_blocks,
+    min_grouped_requests,
+    max_groups,
+    prefix_target_items,
+    suffix_target_items,
+    granularity,
+    MEMBERS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # The whole planner in one program for a small batch (the table fits its registers): the three launches'
+    # histogram, cuts and groups, with the cross-request steps (leaders, group sizes, ranks) as register reductions
+    # over request pairs instead of global atomics, then the same finishing step. Ranks follow request order.
+    _follow_previous_launch(PDL)
+    requests = tl.arange(0, BLOCK_R)
+    in_batch = requests < num_requests
+    seq_len = tl.load(seq_lens_ptr + requests, mask=in_batch, other=0)
+    query_len = tl.load(query_start_ptr + requests + 1, mask=in_batch, other=0) - tl.load(
+        query_start_ptr + requests, mask=in_batch, other=0
+    )
+    eligible = tl.minimum(tl.maximum(seq_len - query_len, 0) // block_size, max_blocks)
+    depth = tl.arange(0, BLOCK_E)[None, :]
+    valid = in_batch[:, None] & (depth < eligible[:, None])
+    rows = block_table_ptr + requests[:, None].to(tl.int64) * stride_table_row
+    ids = tl.load(rows + depth, mask=valid, other=-1)
+    known = valid & (ids >= 0) & (ids < num_cache_blocks)
+    tl.atomic_add(counts_ptr + ids, 1, mask=known, sem="relaxed")
+    # Every thread's increments are visible to the whole program after the barrier; read them from L2.
+    tl.debug_barrier()
+    shared = tl.load(counts_ptr + ids, mask=known, other=0, cache_modifier=".cg")
+    usable = known & (shared >= min_group_size) & (depth + 1 >= min_prefix_blocks)
+    # int32 suffices: at most SMALL_PLAN_ENTRIES table entries, so a saving is below 2**31.
+    savings = tl.where(usable, (shared - 1) * (depth + 1), 0)
+    best = tl.max(savings, 1)
+    # The first depth reaching the row's maximum, as the cut pass picks it.
+    cut = tl.min(tl.where(savings == best[:, None], depth, BLOCK_E), 1)
+    candidate = in_batch & (best > 0)
+    key = tl.sum(tl.where(depth == cut[:, None], ids, 0), 1)
+    key = tl.where(candidate, key, -1)
+    # Every read of the histogram is done: clear this step's entries for the next plan.
+    tl.debug_barrier()
+    tl.store(counts_ptr + ids, 0, mask=known)
+    # The lowest request index cut at the same block leads the group.
+    others = requests[None, :]
+    same_key = (key[:, None] == key[None, :]) & candidate[:, None] & candidate[None, :]
+    leader = tl.min(tl.where(same_key, others, BLOCK_R), 1)
+    leader = tl.where(candidate, leader, requests)
+    leader_eligible = tl.sum(tl.where(others == leader[:, None], eligible[None, :], 0), 1)
+    limit = tl.minimum(eligible, leader_eligible)
+    leader_rows = block_table_ptr + leader[:, None].to(tl.int64) * stride_table_row
+    compared = depth < limit[:, None]
+    leader_ids = tl.load(leader_rows + depth, mask=compared, other=-1)
+    differs = compared & ~(known & (ids == leader_ids))
+    common = tl.minimum(tl.min(tl.where(differs, depth, limit[:, None]), 1), limit)
+    # Per leader: the members' shortest common run and their count; per member: its rank in request order.
+    member_of = (leader[None, :] == requests[:, None]) & candidate[None, :]
+    group_min = tl.min(tl.where(member_of, common[None, :], max_blocks), 1)
+    group_count = tl.sum(member_of.to(tl.int32), 1)
+    before = (leader[None, :] == leader[:, None]) & candidate[None, :] & (others < requests[:, None])
+    rank = tl.where(candidate, tl.sum(before.to(tl.int32), 1), -1)
+    tl.store(leader_of_ptr + requests, leader, mask=in_batch)
+    tl.store(rank_of_ptr + requests, rank, mask=in_batch)
+    tl.store(group_min_ptr + requests, group_min, mask=in_batch)
+    tl.store(group_count_ptr + requests, group_count, mask=in_batch)
+    tl.debug_barrier()
+    _finish_plan(
+        seq_lens_ptr,
+        leader_of_ptr,
+        rank_of_ptr,
+        group_min_ptr,
+        group_count_ptr,
+        first_tile_ptr,
+        first_member_ptr,
+        prefix_blocks_ptr,
+        group_leader_ptr,
+        tile_of_ptr,
+        slot_in_tile_ptr,
+        tile_leader_ptr,
+        tile_prefix_blocks_ptr,
+        tile_member_start_ptr,
+        tile_member_count_ptr,
+        member_list_ptr,
+        work_start_ptr,
+        split_tokens_ptr,
+        stats_ptr,
+        ready_ptr,
+        ready_count,
+        num_requests,
+        block_size,
+        min_group_size,
+        min_prefix_blocks,
+        min_grouped_requests,
+        max_groups,
+        prefix_target_items,
+        suffix_target_items,
+        granularity,
+        True,
+        MEMBERS,
+        BLOCK_R,
+    )
 
 
 @triton.jit
