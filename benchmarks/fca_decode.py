@@ -64,7 +64,6 @@ from arctic_dedup.forest import (
     plan_paged,
     reference_paged_attention,
 )
-from arctic_dedup.forest import _launch as launch_module
 from arctic_dedup.forest._launch import (
     DecodeKnobs,
     Partials,
@@ -1302,15 +1301,7 @@ def _diagnose_pieces(diagnosis: Diagnosis, copy_tbps: float) -> list[dict[str, A
     pieces.append({"case": case.name, "variant": "plan without groups (1 launch)", "us": paged_us})
     dependent = replace(base, dependent_launches=True)
     pdl_plan_us = diagnosis.time([partial(_forest_plan, s.batch, shape, dependent, s.workspace) for s in setups])
-    pieces.append({"case": case.name, "variant": "plan (dependent launches, the library's planner)", "us": pdl_plan_us})
-    # The three-launch planner for every batch (small tables otherwise get the one-program planner).
-    small_entries = launch_module.SMALL_PLAN_ENTRIES
-    launch_module.SMALL_PLAN_ENTRIES = 0
-    try:
-        three_us = diagnosis.time([partial(_forest_plan, s.batch, shape, dependent, s.workspace) for s in setups])
-    finally:
-        launch_module.SMALL_PLAN_ENTRIES = small_entries
-    pieces.append({"case": case.name, "variant": "plan (3 dependent launches)", "us": three_us})
+    pieces.append({"case": case.name, "variant": "plan (3 dependent launches)", "us": pdl_plan_us})
     knobs = DecodeKnobs()
     for passes, label, num_bytes in (
         ((1,), "v2 prefix items only", diagnosis.prefix_bytes),

@@ -256,18 +256,12 @@ def _torch_twin(
     return plan.group_leader.tolist(), plan.prefix_blocks.tolist()
 
 
-@pytest.mark.parametrize("planner", ["three_launches", "one_program", "small_batch_three_launches"])
-def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin(planner: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Many concurrent programs race on the histogram, the leader slots and the ticket (one program: its threads on
-    # the histogram); every replay must leave the workspace zero for the next one.
-    from arctic_dedup.forest import _launch
-
+def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
+    # Many concurrent programs race on the histogram, the leader slots and the ticket; every replay must leave the
+    # workspace zero for the next one.
     rng = random.Random(9)
-    small = planner != "three_launches"
-    prefix_lens = [rng.randint(17, 900) for _ in range(3 if small else 12)]
-    suffix_lens = [[rng.randint(0, 200) for _ in range(rng.randint(1, 8 if small else 24))] for _ in prefix_lens]
-    if planner == "small_batch_three_launches":
-        monkeypatch.setattr(_launch, "SMALL_PLAN_ENTRIES", 0)
+    prefix_lens = [rng.randint(17, 900) for _ in range(12)]
+    suffix_lens = [[rng.randint(0, 200) for _ in range(rng.randint(1, 24))] for _ in prefix_lens]
     batch = make_decode_batch(prefix_lens, suffix_lens, root_blocks=1, device="cuda", shuffle=True, seed=9)
     num_blocks = batch.key_cache.shape[0]
     workspace = ForestWorkspace(num_blocks, "cuda")

@@ -23,16 +23,6 @@ from arctic_dedup.forest.plan import ForestPlan
 from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
 
 
-@pytest.fixture(autouse=True, params=["one_program", "three_launches"])
-def planner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test here runs with both Triton planners: one program for small tables, three launches otherwise."""
-    from arctic_dedup.forest import _launch
-
-    if request.param == "three_launches":
-        monkeypatch.setattr(_launch, "SMALL_PLAN_ENTRIES", 0)
-    return str(request.param)
-
-
 def _plan(
     batch: DecodeBatch,
     grouping: ForestGrouping | None = None,

@@ -29,10 +29,6 @@ __all__ = [
 
 # Partials of one combine chunk held in registers at once (floats): 64 per thread with 4 warps.
 COMBINE_CHUNK_FLOATS = 8192
-# Batches whose block table (requests and blocks, each rounded up to a power of two) has at most this many entries
-# are planned by one program in one launch (``plan_small_kernel``); larger ones by the three launches.
-SMALL_PLAN_ENTRIES = 16384
-SMALL_PLAN_REQUESTS = 32
 
 
 @dataclass
@@ -216,7 +212,6 @@ def launch_plan(
         plan_cut_kernel,
         plan_group_kernel,
         plan_paged_kernel,
-        plan_small_kernel,
     )
 
     num_requests = sizes.num_requests
@@ -250,43 +245,6 @@ def launch_plan(
     block_entries = min(1024, _next_power_of_two(max(16, max_blocks)))
     scratch = torch.empty(7 * num_requests, dtype=torch.int32, device=block_table.device)
     cut_key, leader_of, rank_of, group_min, group_count, first_tile, first_member = scratch.view(7, num_requests)
-    grouping_args = (
-        block_table.stride(0),
-        max_blocks,
-        workspace.num_cache_blocks,
-        block_size,
-        num_requests,
-        grouping.min_group_size,
-        grouping.min_prefix_blocks,
-        math.ceil(grouping.min_grouped_fraction * num_requests),
-        -1 if grouping.max_groups is None else grouping.max_groups,
-        sizes.prefix_target_items,
-        sizes.suffix_target_items,
-        config.split_granularity,
-    )
-    small_entries = _next_power_of_two(max(16, max_blocks))
-    if num_requests <= SMALL_PLAN_REQUESTS and block_requests * small_entries <= SMALL_PLAN_ENTRIES:
-        plan_small_kernel[(1,)](
-            block_table,
-            seq_lens,
-            query_start_loc,
-            workspace.counts,
-            leader_of,
-            rank_of,
-            group_min,
-            group_count,
-            first_tile,
-            first_member,
-            *_plan_outputs(views),
-            views["combine_ready"].numel(),
-            *grouping_args,
-            MEMBERS=sizes.members_per_tile,
-            BLOCK_R=block_requests,
-            BLOCK_E=small_entries,
-            num_warps=16 if block_requests * small_entries > 4096 else 8,
-            **pdl,
-        )
-        return
     grid = (num_requests,)
     plan_count_kernel[grid](
         block_table,
@@ -365,26 +323,6 @@ def launch_plan(
         num_warps=finish_warps,
         **pdl,
     )
-
-
-def _plan_outputs(views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The plan buffers the finishing step writes, in the kernels' argument order."""
-    names = (
-        "prefix_blocks",
-        "group_leader",
-        "tile_of",
-        "slot_in_tile",
-        "tile_leader",
-        "tile_prefix_blocks",
-        "tile_member_start",
-        "tile_member_count",
-        "member_list",
-        "work_start",
-        "split_tokens",
-        "num_groups",
-        "combine_ready",
-    )
-    return tuple(views[name] for name in names)
 
 
 def allocate_partials(plan: ForestPlan, head_dim: int, device: torch.device) -> Partials:

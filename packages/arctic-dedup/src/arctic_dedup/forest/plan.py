@@ -10,9 +10,8 @@ the number of leading full blocks that every member holds identically and that l
 query tokens, so a table that breaks the prefix-cache invariants can only make groups smaller, never wrong.
 
 On CUDA the builder is three Triton launches over the block tables (a block histogram, the cuts, the groups and
-work lists) with a reusable ``ForestWorkspace``, or one launch of a single program when the table is small (at most
-32 requests and 16K entries, each count rounded up to a power of two); no ``.item()``, no sorts, no dynamic shapes,
-so it runs inside a CUDA graph and never stalls the host. On CPU builds the same plan is built with plain torch.
+work lists) with a reusable ``ForestWorkspace``: no ``.item()``, no sorts, no dynamic shapes, so it runs inside a CUDA
+graph and never stalls the host. On CPU builds the same plan is built with plain torch.
 """
 
 from __future__ import annotations
@@ -569,7 +568,7 @@ def plan_forest(
     """Find the groups of a decode batch and build the work lists of ``forest_decode``.
 
     The plan depends only on the block table and lengths, so build it once per step and pass it to every layer.
-    On CUDA it takes one kernel launch for small tables and three otherwise, and never synchronizes with the host.
+    On CUDA it takes three small kernel launches and never synchronizes with the host.
 
     Args:
         block_table: ``[N, max_blocks]`` int32 physical KV block ids per request (paged KV cache).
