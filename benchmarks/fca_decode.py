@@ -617,6 +617,22 @@ def _variants() -> list[Variant]:
     chained_split = (("split_passes", True), ("chain_passes", True))
     four_warp_prefix = DecodeKnobs(prefix_num_warps=4, prefix_num_stages=3)
     return [
+        # Round 24 (predictions in forest/NOTES.md): the other side of round 20, 8-warp suffix programs (the prefix
+        # pass keeps 4 warps); round 6 timed 8 warps only for both kinds or for the prefix pass.
+        Variant(
+            "v24_sw8",
+            "chained split passes, suffix programs of 8 warps (3 stages)",
+            None,
+            four_warp_prefix,
+            rule_changes=(*chained_split, ("num_warps", 8)),
+        ),
+        Variant(
+            "v24_sw8_s64",
+            "v24_sw8 with 64-token suffix tiles",
+            None,
+            four_warp_prefix,
+            rule_changes=(*chained_split, ("num_warps", 8), ("suffix_block_n", 64)),
+        ),
         Variant(
             "v20_sw1",
             "chained split passes, suffix programs of 1 warp (3 stages)",
