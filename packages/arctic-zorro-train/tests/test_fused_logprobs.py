@@ -92,7 +92,22 @@ def test_matches_the_torch_twins(with_entropy: bool) -> None:
     expected_grad = logprob_logits_gradient_reference(
         logits, labels, theirs[1], theirs[2], grad_logprobs, entropy_grad, 1.3
     )
-    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-7)
+    # Both are fp32 and sum in different orders; the torch twin's own rounding depends on the CPU's vector kernels
+    # (~8e-7 at a 0.48 entry on one CI machine). So the kernel is held to the fp64 truth instead: no element further
+    # from it than the twin's worst element, and the two within 1e-6 in relative L2.
+    truth_stats = logprob_statistics_reference(logits.double(), labels, 1.3, with_entropy)
+    truth = logprob_logits_gradient_reference(
+        logits.double(),
+        labels,
+        truth_stats[1],
+        truth_stats[2],
+        grad_logprobs.double(),
+        None if entropy_grad is None else entropy_grad.double(),
+        1.3,
+    )
+    twin_error = (expected_grad.double() - truth).abs().max().item()
+    assert (grad.double() - truth).abs().max().item() <= max(twin_error, 1e-7)
+    assert ((grad - expected_grad).norm() / expected_grad.norm()).item() <= 1e-6
 
 
 @on_cpu
