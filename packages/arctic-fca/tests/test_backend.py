@@ -99,7 +99,36 @@ def test_cpu_planner_sends_ungrouped_steps_to_cpu_attention() -> None:
     assert (stats.steps, stats.steps_grouped, stats.groups) == (1, 0, 0)
 
 
-def test_same_tokens_with_fca_on_and_off(cpu_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_cpu_planner_logs_every_log_interval_steps() -> None:
+    from arctic_fca.stats import LOGGER_NAME
+
+    batch = make_decode_batch([40, 50], [[1], [2]], block_size=16, seed=5)
+    planner = _planner(batch, num_heads=4, on_cpu=True, log_interval=3)
+    records = _Records()
+    logger = logging.getLogger(LOGGER_NAME)
+    # vLLM sets its loggers' level when an engine starts; this test has no engine.
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    try:
+        for _ in range(7):
+            planner.plan(_common_metadata(batch))
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert len(records.messages) == 2 and all(m.startswith("arctic-fca step: 0 groups") for m in records.messages)
+
+
+def test_same_tokens_with_fca_on_and_off(cpu_engine: Any) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -120,9 +149,17 @@ def test_same_tokens_with_fca_on_and_off(cpu_engine: Any, caplog: pytest.LogCapt
 
     arctic_fca.set_active(True)
     arctic_fca.reset_stats()
-    with caplog.at_level(logging.INFO, logger="arctic_fca"):
+    records = _Records()
+    # vLLM's handler on its "vllm" logger prints these lines; ours only collects them.
+    logger = logging.getLogger(arctic_fca.stats.LOGGER_NAME)
+    logger.addHandler(records)
+    try:
         with_fca = cpu_engine.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        logger.removeHandler(records)
     stats = arctic_fca.get_stats()
+    # In-process, the worker's counters (read through vLLM's collective_rpc) are this process's.
+    assert arctic_fca.collect_stats(cpu_engine) == stats
     arctic_fca.set_active(False)
     try:
         without_fca = cpu_engine.generate(prompts, greedy, use_tqdm=False)
@@ -131,7 +168,7 @@ def test_same_tokens_with_fca_on_and_off(cpu_engine: Any, caplog: pytest.LogCapt
 
     assert stats.steps_grouped >= 5 and stats.groups >= 3 * stats.steps_grouped
     assert stats.grouped_requests == stats.requests and stats.saved_bytes_per_layer > 0
-    assert any("arctic-fca step: 3 groups, 24/24 requests grouped" in record.message for record in caplog.records)
+    assert any("arctic-fca step: 3 groups, 24/24 requests grouped" in message for message in records.messages)
     for on, off in zip(with_fca, without_fca, strict=True):
         assert [list(c.token_ids) for c in on.outputs] == [list(c.token_ids) for c in off.outputs]
         assert len(on.outputs) == 8 and all(len(c.token_ids) == 12 for c in on.outputs)

@@ -15,12 +15,15 @@ def test_exported_names_and_version() -> None:
             "TESTED_VLLM_VERSIONS",
             "FcaConfig",
             "FcaStats",
+            "FcaWorkerExtension",
             "__version__",
             "check_vllm_version",
+            "collect_stats",
             "get_stats",
             "is_active",
             "register",
             "reset_stats",
+            "reset_worker_stats",
             "set_active",
         ]
     )

@@ -3,6 +3,7 @@
 from arctic_fca.config import FcaConfig, is_active, set_active
 from arctic_fca.plugin import TESTED_VLLM_VERSIONS, check_vllm_version, register
 from arctic_fca.stats import FcaStats, get_stats, reset_stats
+from arctic_fca.worker import FcaWorkerExtension, collect_stats, reset_worker_stats
 
 __version__ = "0.1.0"
 
@@ -10,11 +11,14 @@ __all__ = [
     "TESTED_VLLM_VERSIONS",
     "FcaConfig",
     "FcaStats",
+    "FcaWorkerExtension",
     "__version__",
     "check_vllm_version",
+    "collect_stats",
     "get_stats",
     "is_active",
     "register",
     "reset_stats",
+    "reset_worker_stats",
     "set_active",
 ]

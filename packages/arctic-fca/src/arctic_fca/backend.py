@@ -15,6 +15,7 @@ On CPU the plan is read on the host (free there) and such a step goes to CPU_ATT
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
@@ -37,7 +38,7 @@ from vllm.v1.attention.backends.flash_attn import (
 
 from arctic_dedup.forest import ForestPlan, ForestWorkspace, forest_decode, plan_forest
 from arctic_fca.config import FcaConfig, is_active
-from arctic_fca.stats import record_standard_step, record_step
+from arctic_fca.stats import LOGGER_NAME, record_standard_step, record_step
 
 __all__ = [
     "FcaCpuAttentionBackend",
@@ -49,9 +50,18 @@ __all__ = [
     "FcaFlashMetadata",
     "FcaFlashMetadataBuilder",
     "ForestPlanner",
+    "flush_planner_stats",
 ]
 
-logger = logging.getLogger("arctic_fca")
+logger = logging.getLogger(LOGGER_NAME)
+# Every live planner of this process, so that a stats read can first record the steps a GPU planner still holds.
+_planners: weakref.WeakSet[ForestPlanner] = weakref.WeakSet()
+
+
+def flush_planner_stats() -> None:
+    """Record the counters that GPU planners keep on the device between log intervals (waits for the device)."""
+    for planner in list(_planners):
+        planner.flush_stats()
 
 
 def _no_window(window: Any) -> bool:
@@ -89,6 +99,8 @@ class ForestPlanner:
         self._layers: dict[str, Any] | None = None
         self._workspace: ForestWorkspace | None = None
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._steps_since_log = 0
+        _planners.add(self)
 
     def _attention_layers(self) -> dict[str, Any]:
         if self._layers is None:
@@ -143,12 +155,16 @@ class ForestPlanner:
         )
         if self.on_cpu:
             groups = int(plan.num_groups.item())
+            self._steps_since_log += 1
+            log = self._steps_since_log >= self.config.log_interval
+            if log:
+                self._steps_since_log = 0
             record_step(
                 num_requests,
                 groups,
                 int(plan.num_grouped_requests.item()),
                 int(plan.saved_block_reads.item()) * self.bytes_per_block,
-                log=True,
+                log=log,
             )
             return plan if groups > 0 else None
         # Reading the counters waits for the device: collect them and read a batch every log_interval steps.

