@@ -77,6 +77,38 @@ TOLERANCE_DTYPE = {torch.float32: torch.float32, torch.float64: torch.float64, t
 
 
 @on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_logits_give_finite_results(dtype: torch.dtype) -> None:
+    """-inf logits (a vocabulary mask), including whole leading slices, are tokens of probability 0, not NaN."""
+    logits, labels, grad_logprobs, grad_entropy = _inputs(3, 300, dtype, seed=2)
+    logits[:, :130] = float("-inf")
+    logits[1, 200:] = float("-inf")
+    labels = torch.tensor([140, 150, 299])
+    logprobs, log_normalizer, entropy = logprob_statistics(logits, labels, 0.7, with_entropy=True)
+    assert entropy is not None
+    grad = logprob_logits_gradient(logits, labels, log_normalizer, entropy, grad_logprobs, grad_entropy, 0.7)
+    exact = logits.double().requires_grad_(True)
+    log_p = torch.log_softmax(exact / 0.7, dim=-1)
+    p = log_p.exp()
+    truth_logprobs = log_p.gather(-1, labels[:, None]).squeeze(-1)
+    # p log p with log p replaced by 0 where p = 0, so that autograd's 0 * -inf does not poison the truth.
+    truth_entropy = -(p * torch.where(p > 0, log_p, 0.0)).sum(-1)
+    (truth_grad,) = torch.autograd.grad(
+        (truth_logprobs * grad_logprobs.double() + truth_entropy * grad_entropy.double()).sum(), exact
+    )
+    twin = logprob_statistics_reference(logits, labels, 0.7, with_entropy=True)
+    twin_grad = logprob_logits_gradient_reference(logits, labels, twin[1], twin[2], grad_logprobs, grad_entropy, 0.7)
+    tolerance = TOLERANCE[dtype]
+    for actual in (logprobs, twin[0]):
+        torch.testing.assert_close(actual.double(), truth_logprobs.detach(), rtol=tolerance, atol=tolerance)
+    for actual in (entropy, twin[2]):
+        assert actual is not None
+        torch.testing.assert_close(actual.double(), truth_entropy.detach(), rtol=tolerance, atol=tolerance)
+    for actual in (grad, twin_grad):
+        torch.testing.assert_close(actual.double(), truth_grad, rtol=tolerance, atol=tolerance)
+
+
+@on_cpu
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_matches_the_torch_twins(with_entropy: bool) -> None:
     logits, labels, grad_logprobs, grad_entropy = _inputs(6, 1000, torch.float32, seed=1)

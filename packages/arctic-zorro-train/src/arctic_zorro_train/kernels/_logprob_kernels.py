@@ -39,15 +39,19 @@ def _logprob_forward_kernel(
         valid = columns < vocab
         scaled = tl.load(row_logits + columns, mask=valid, other=0.0).to(COMPUTE_DTYPE) / temperature
         new_max = tl.where(valid, tl.maximum(running_max, scaled), running_max)
-        # A lane that has seen nothing yet keeps max -inf: its rescale factor is 0, not exp(-inf + inf).
-        rescale = tl.where(new_max == float("-inf"), 0.0, tl.exp(running_max - new_max))
-        weight = tl.where(valid, tl.exp(scaled - new_max), 0.0)
+        # A lane whose values so far are all -inf (none seen yet, or masked logits) keeps max -inf. Subtracting a
+        # finite stand-in instead gives exp(-inf) = 0 for both factors: exp(-inf - -inf) would be NaN, and a NaN
+        # weight of a valid lane would reach the row's sum.
+        finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - finite_max)
+        weight = tl.where(valid, tl.exp(scaled - finite_max), 0.0)
         exp_sum = exp_sum * rescale + weight
         if WITH_ENTROPY:
-            weighted_sum = weighted_sum * rescale + weight * scaled
+            # A -inf logit has weight 0 and adds nothing (0 * -inf would be NaN).
+            weighted_sum = weighted_sum * rescale + weight * tl.where(weight > 0.0, scaled, 0.0)
         running_max = new_max
     row_max = tl.max(running_max, axis=0)
-    lane_scale = tl.where(running_max == float("-inf"), 0.0, tl.exp(running_max - row_max))
+    lane_scale = tl.exp(running_max - row_max)
     total = tl.sum(exp_sum * lane_scale, axis=0)
     log_normalizer = row_max + tl.log(total)
     label = tl.load(labels_ptr + row)
@@ -100,6 +104,7 @@ def _logprob_backward_kernel(
         # d logprob / dz = onehot(label) - p;  dH / dz = -p (log p + H)
         grad = tl.where(columns == label, grad_logprob, 0.0) - grad_logprob * p
         if HAS_ENTROPY_GRAD:
-            grad = grad - grad_entropy * p * (log_p + entropy)
+            # p log p -> 0 as p -> 0: a -inf logit contributes nothing (0 * -inf would be NaN).
+            grad = grad - grad_entropy * p * (tl.where(p > 0.0, log_p, 0.0) + entropy)
         grad = grad / temperature
         tl.store(row_grad + columns, cast_rounded(grad, grad_logits_ptr.dtype.element_ty), mask=valid)

@@ -65,7 +65,9 @@ def logprob_statistics_reference(
     logprobs = scaled.gather(-1, labels[:, None]).squeeze(-1) - log_normalizer
     if not with_entropy:
         return logprobs, log_normalizer, None
-    entropy = log_normalizer - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+    probabilities = torch.softmax(scaled, dim=-1)
+    # A -inf logit (a masked token) has p = 0 and adds nothing; 0 * -inf would be NaN.
+    entropy = log_normalizer - torch.where(probabilities > 0, probabilities * scaled, 0.0).sum(dim=-1)
     return logprobs, log_normalizer, entropy
 
 
@@ -91,5 +93,5 @@ def logprob_logits_gradient_reference(
     if grad_entropy is not None:
         if entropy is None:
             raise ValueError("grad_entropy needs the entropies (with_entropy=True).")
-        grad -= grad_entropy[:, None] * p * (log_p + entropy[:, None])
+        grad -= grad_entropy[:, None] * torch.where(p > 0, p * (log_p + entropy[:, None]), 0.0)
     return (grad / temperature).to(logits.dtype)
