@@ -4,16 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arctic_dedup import (
-    GroupSplitWarning,
-    PromptGroup,
-    SampleLayout,
-    format_micro_batch_report,
-    partition_for_data_parallel,
-    partition_items,
-    plan_micro_batches,
-    prompt_groups,
-)
+from arctic_dedup import SampleLayout, partition_for_data_parallel, plan_micro_batches, prompt_groups
+from arctic_dedup.balance import GroupSplitWarning, PromptGroup, format_micro_batch_report, partition_items
 from arctic_dedup.testing import create_dummy_batch
 
 

@@ -2,8 +2,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arctic_dedup import group_rows
 from arctic_dedup import grouping as grouping_module
+from arctic_dedup.grouping import group_rows
 from arctic_dedup.reference import reference_group_rows
 
 

@@ -9,15 +9,14 @@ from strategies import PaddedBatch, padded_batches
 from arctic_dedup import (
     ModelShape,
     SampleLayout,
-    block_sparsity,
     build_plan,
     build_plan_from_layout,
     dedup_cost,
     dedup_cost_of_plan,
-    dense_tree_mask,
     prompt_groups,
     unpack,
 )
+from arctic_dedup.attention_meta import dense_tree_mask
 from arctic_dedup.plan import Plan
 from arctic_dedup.reference import reference_tree_mask
 
@@ -63,8 +62,6 @@ def _check_plan(plan: Plan) -> None:
             assert tree.node_depth[node] == tree.node_depth[parent] + 1
     assert tree.node_depth[tree.level_nodes].tolist() == sorted(tree.node_depth.tolist())
     _check_varlen_covers_mask(plan)
-    for block_m, block_n in [(2, 3), (4, 4)]:
-        _check_block_sparsity(plan, block_m, block_n)
 
 
 def _check_varlen_covers_mask(plan: Plan) -> None:
@@ -80,24 +77,6 @@ def _check_varlen_covers_mask(plan: Plan) -> None:
             keys = level.key_index[ck[s] : ck[s + 1]]
             covered[queries[:, None], keys[None, :]] += 1
     assert torch.equal(covered, dense_tree_mask(plan.kv_visible_until).long())
-
-
-def _check_block_sparsity(plan: Plan, block_m: int, block_n: int) -> None:
-    mask = dense_tree_mask(plan.kv_visible_until)
-    blocks = block_sparsity(plan.kv_visible_until, block_m, block_n)
-    for query_block in range(blocks.num_query_blocks):
-        rows = mask[query_block * block_m : (query_block + 1) * block_m]
-        partial = set(blocks.kv_indices[query_block, : blocks.kv_num_blocks[query_block]].tolist())
-        full = set(blocks.full_kv_indices[query_block, : blocks.full_kv_num_blocks[query_block]].tolist())
-        assert not partial & full
-        for key_block in range(blocks.num_key_blocks):
-            tile = rows[:, key_block * block_n : (key_block + 1) * block_n]
-            if key_block in full:
-                assert bool(tile.all())
-            elif key_block not in partial:
-                assert not bool(tile.any())
-            q_list = blocks.q_indices[key_block, : blocks.q_num_blocks[key_block]].tolist()
-            assert (query_block in q_list) == (key_block in partial)
 
 
 @settings(max_examples=60, deadline=None)

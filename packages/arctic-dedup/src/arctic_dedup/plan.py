@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from arctic_dedup.attention_meta import BlockSparsity, VarlenParams, block_sparsity, build_varlen_params
+from arctic_dedup.attention_meta import VarlenParams, build_varlen_params
 from arctic_dedup.errors import BatchLayoutError, PlanError
 from arctic_dedup.grouping import group_rows, hash_int64
 from arctic_dedup.index_map import IndexMap
@@ -94,8 +94,7 @@ class Plan:
     token) and kv_visible_until (query ``q`` sees key ``k`` iff ``k <= q < kv_visible_until[k]``), all ``[T]``.
     Maps: ``unpack_map`` packed -> each sample's valid tokens ``[N]`` (sample order); ``pack_map`` back, taking each
     shared token from the first sample containing it; ``*_padded_map`` the same for the padded ``[B*S]`` layout
-    (padded inputs only). ``attention`` is the block sparsity at ``attention.block_m``/``block_n``; other block
-    sizes come from ``block_sparsity(plan.kv_visible_until, m, n)``.
+    (padded inputs only).
     """
 
     layout: SampleLayout
@@ -112,7 +111,6 @@ class Plan:
     pack_padded_map: IndexMap | None
     responses: ResponseIndex
     varlen: VarlenParams
-    attention: BlockSparsity
     sample_packed_index: torch.Tensor = field(repr=False)
 
     @property
@@ -300,7 +298,6 @@ def build_plan_from_layout(
     layout: SampleLayout,
     *,
     sharing: PrefixSharing = "prompt",
-    attention_block_size: tuple[int, int] = (128, 128),
 ) -> Plan:
     """Build the plan for a ``SampleLayout`` (see ``build_plan`` for padded batches)."""
     if sharing not in ("prompt", "trie", "none"):
@@ -351,7 +348,6 @@ def build_plan_from_layout(
         offsets=response_offsets,
     )
     kv_visible_until = tree.node_subtree_end[node_of_packed].to(torch.int32)
-    block_m, block_n = attention_block_size
     return Plan(
         layout=layout,
         sharing=sharing,
@@ -367,7 +363,6 @@ def build_plan_from_layout(
         pack_padded_map=pack_padded_map,
         responses=responses,
         varlen=build_varlen_params(tree.node_start, tree.node_length, tree.node_subtree_end, tree.node_depth),
-        attention=block_sparsity(kv_visible_until, block_m, block_n),
         sample_packed_index=build.token_packed_index,
     )
 
@@ -379,7 +374,6 @@ def build_plan(
     position_ids: torch.Tensor | None = None,
     *,
     sharing: PrefixSharing = "prompt",
-    attention_block_size: tuple[int, int] = (128, 128),
 ) -> Plan:
     """Plan a verl-style padded micro-batch.
 
@@ -391,10 +385,9 @@ def build_plan(
         position_ids: ``[B, S]`` (default: ``cumsum(mask) - 1``). Tokens are shared only when ids and positions match.
         sharing: ``"prompt"`` (identical prompts share a node), ``"trie"`` (every common prefix is shared) or
             ``"none"`` (no sharing: the non-deduplicated baseline in the same packed form).
-        attention_block_size: (query block, key block) for ``plan.attention``.
 
     Returns:
         The ``Plan``. Building it synchronizes with the device a few times; using it never does.
     """
     layout = SampleLayout.from_padded(input_ids, response_length, attention_mask, position_ids)
-    return build_plan_from_layout(layout, sharing=sharing, attention_block_size=attention_block_size)
+    return build_plan_from_layout(layout, sharing=sharing)

@@ -136,26 +136,6 @@ def test_gpu_triton_deterministic_and_atomic_dq() -> None:
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{"inline_red_dq": True}, {"inline_red_dq": True, "split_atomic_dq": False}, {"transposed_atomic_dq": True},
-     {"tma_loads": True}, {"inline_red_dq": True, "tma_loads": True}],
-    ids=["inline_red", "inline_red_unsplit", "transposed", "tma", "inline_red_tma"],
-)  # fmt: skip
-def test_gpu_triton_round2_backward_options(options: dict[str, bool]) -> None:
-    """The --bwd-sweep round-2 options in bf16 on the GPU's own tile shapes (the inline PTX red runs only here):
-    gradients within 1e-2 of the deterministic backward, on a plan with a ragged last block."""
-    from arctic_dedup.attention.function import triton_tree_attention
-
-    plan = _plans()["ragged_edges"]()
-    config = _launch.TritonConfig(**options)
-    q, k, v, grad = _inputs(plan, 16, 4, 128, torch.bfloat16, 2)
-    got = _run(lambda a, b, c: triton_tree_attention(a, b, c, plan, scale=0.1, config=config), q, k, v, grad)
-    want = _run(lambda a, b, c: triton_tree_attention(a, b, c, plan, scale=0.1, deterministic=True), q, k, v, grad)
-    for name, x, y in zip(("dq", "dk", "dv"), got[2:], want[2:]):
-        assert _relative(x, y) < 1e-2, name
-
-
-@pytest.mark.parametrize(
     ("heads", "label"), [((8, 8, 64), "d64_mha"), ((8, 1, 256), "d256_mqa"), ((32, 8, 128), "qwen3")]
 )
 def test_gpu_triton_head_dims_and_groups(heads: tuple[int, int, int], label: str) -> None:

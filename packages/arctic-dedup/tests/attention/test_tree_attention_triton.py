@@ -142,18 +142,9 @@ BACKWARD_VARIANTS = {
     "plain": {},
     "fold": {"fold_statistics": True},
     "fold_dp_first": {"fold_statistics": True, "dp_first": True},
-    "p_low_dp_first": {"p_low_precision": True, "dp_first": True},
     "atomic_fold": {"atomic_dq": True, "fold_statistics": True},
     "atomic_split": {"atomic_dq": True, "split_atomic_dq": True, "fold_statistics": True, "dp_first": True},
-    "atomic_split_p_low": {"atomic_dq": True, "split_atomic_dq": True, "dp_first": True, "p_low_precision": True},
-    # Round 2: one transposed dQ product; tensor-descriptor (TMA) loads of Q and dO; inline PTX red (on a GPU; the
-    # interpreter runs tl.atomic_add there, so this entry checks the launch path around it).
-    "atomic_transposed": {**_ATOMIC, "transposed_atomic_dq": True},
-    "atomic_tma": {**_ATOMIC, "tma_loads": True},
-    "atomic_transposed_tma": {**_ATOMIC, "transposed_atomic_dq": True, "tma_loads": True},
-    "fold_dp_first_tma": {"fold_statistics": True, "dp_first": True, "tma_loads": True},
-    "atomic_inline_red": {**_ATOMIC, "inline_red_dq": True},
-    "atomic_inline_red_unsplit": {**_ATOMIC, "split_atomic_dq": False, "inline_red_dq": True},
+    "atomic_unsplit": {**_ATOMIC, "split_atomic_dq": False},
 }
 _OPTIONS_OFF = {"atomic_dq": False, "fold_statistics": False, "dp_first": False, "split_atomic_dq": False}
 _SMALL_TILES = TritonConfig(
@@ -174,8 +165,7 @@ def test_triton_backward_variants(variant: str, num_kv_heads: int, head_dim: int
 
 
 @pytest.mark.parametrize(
-    "variant", ["fold_dp_first", "atomic_split", "atomic_split_p_low", "atomic_transposed", "atomic_tma",
-                "fold_dp_first_tma", "atomic_inline_red"]
+    "variant", ["fold_dp_first", "atomic_split", "atomic_unsplit"]
 )  # fmt: skip
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 def test_triton_backward_variants_window_softcap_lse(variant: str, options: dict) -> None:
@@ -185,8 +175,7 @@ def test_triton_backward_variants_window_softcap_lse(variant: str, options: dict
 
 
 @pytest.mark.parametrize(
-    "variant", ["fold_dp_first", "atomic_split", "atomic_transposed", "atomic_tma", "fold_dp_first_tma",
-                "atomic_inline_red"]
+    "variant", ["fold_dp_first", "atomic_split", "atomic_unsplit"]
 )  # fmt: skip
 def test_triton_backward_variants_gpu_tiles(variant: str) -> None:
     """The tile shapes the H200 runs (64 query rows, 128 keys) on a plan longer than one key block."""
@@ -206,21 +195,6 @@ def test_triton_deterministic_ignores_atomic_variant() -> None:
         out, _ = triton_tree_attention(q, k, v, plan, scale=0.2, deterministic=True, config=config)
         runs.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-def test_triton_dq_store_probe_keeps_dk_dv(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sweep's timing probe (plain stores instead of dQ atomics) leaves dK and dV exact; only dQ is off."""
-    monkeypatch.setattr(_launch, "dq_store_probe", True)
-    config = replace(_SMALL_TILES, **BACKWARD_VARIANTS["atomic_split"])
-    plan = _ragged_plan()
-    q, k, v = make_inputs(plan, 4, 2, 32, requires_grad=True)
-    out, _ = triton_tree_attention(q, k, v, plan, scale=0.2, config=config)
-    ref = tree_attention(q, k, v, plan, backend="reference", scale=0.2)
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device)
-    got = torch.autograd.grad((out * weight).sum(), (q, k, v))
-    want = torch.autograd.grad((ref * weight).sum(), (q, k, v))
-    for got_grad, want_grad in zip(got[1:], want[1:]):
-        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_default_config_is_the_measured_winner() -> None:

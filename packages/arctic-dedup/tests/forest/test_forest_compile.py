@@ -43,9 +43,8 @@ def _compile(kernel: object, constants: dict[str, object], num_warps: int, num_s
                 signature[name] = "fp32" if name == "scale_log2" else "i32"
             if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    for flag in ("PDL", "TIMELINE", "PERSISTENT", "INTERLEAVE"):
-        if flag in kernel.arg_names and flag not in constants:  # type: ignore[attr-defined]
-            signature[flag], constexprs[flag] = "constexpr", 0
+    if "PDL" in kernel.arg_names and "PDL" not in constants:  # type: ignore[attr-defined]
+        signature["PDL"], constexprs["PDL"] = "constexpr", 0
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     try:
         return triton.compile(
@@ -66,8 +65,6 @@ ATTENTION = {
     "PREFIX_BLOCK_N": 32,
     "SUFFIX_BLOCK_N": 32,
     "PASS": 0,
-    "PERSISTENT": False,
-    "TIMELINE": False,
     "EARLY": False,
     **COMMON,
 }
@@ -118,20 +115,6 @@ def _compile_all() -> None:
         assert 0 <= trigger < wait, (compiled.name, trigger, wait)
         assert wait < min(ptx.find(op) for op in ("ld.global", "atom.global") if op in ptx)
     assert "griddepcontrol" not in forest.asm["ptx"]  # type: ignore[attr-defined]
-    # Timelines (diagnosis only) read the device clock and SM id; without them neither is read.
-    timed = [
-        compile_attention(True, TIMELINE=True),
-        _compile(
-            _kernels.forest_combine_kernel,
-            {**COMBINE, "CHUNK": 8, "DIM_BLOCK": 64, "TIMELINE": True},
-            1,
-            1,
-        ),
-    ]
-    for compiled in timed:
-        ptx = compiled.asm["ptx"]  # type: ignore[attr-defined]
-        assert ptx.count("%globaltimer") >= 3 and "%smid" in ptx, compiled.name  # type: ignore[attr-defined]
-    assert "%globaltimer" not in forest.asm["ptx"]  # type: ignore[attr-defined]
     # Chained passes: the prefix pass waits before it lets the suffix pass start; the suffix pass waits last.
     prefix_ptx = compile_attention(True, PDL=2, PASS=1, PREFIX_BLOCK_N=64).asm["ptx"]  # type: ignore[attr-defined]
     assert 0 <= prefix_ptx.find("griddepcontrol.wait") < prefix_ptx.find("griddepcontrol.launch_dependents")
@@ -162,11 +145,11 @@ def _compile_all() -> None:
         shared = compiled.metadata.shared  # type: ignore[attr-defined]
         assert 3 * (shared + 1024) <= SHARED_PER_SM, shared
     assert paged.metadata.shared > 2 * 64 * 128 * 2 * 2  # type: ignore[attr-defined]
-    _compile_diagnosis_variants()
+    _compile_config_shapes()
 
 
-def _compile_diagnosis_variants() -> None:
-    """The launches that ``benchmarks/fca_decode.py --diagnose`` compares compile for Hopper and fit its memory."""
+def _compile_config_shapes() -> None:
+    """The tile shapes and pipelines a ``ForestKernelConfig`` may ask for compile for Hopper and fit its memory."""
     from arctic_dedup.forest import _kernels
 
     attention = [
@@ -177,13 +160,9 @@ def _compile_diagnosis_variants() -> None:
         ({"PASS": 2, "SUFFIX_BLOCK_N": 64}, 4, 3),
         ({"PREFIX_BLOCK_N": 64}, 4, 3),
         ({"PREFIX_BLOCK_N": 64}, 4, 2),
-        # Version 3 round 2: deep prefix pipeline (112 KB, 2/SM), deep suffix pipeline (69 KB, 3/SM).
+        # Deep prefix pipeline (112 KB, 2/SM), deep suffix pipeline (69 KB, 3/SM).
         ({"PASS": 1}, 4, 6),
         ({"PASS": 2}, 4, 5),
-        # Round 13: the suffix pass on a fixed grid (each program loops over its slot's items).
-        ({"PASS": 2, "PERSISTENT": True}, 4, 3),
-        # Round 15: one launch with prefix and suffix items alternating over the programs.
-        ({"PREFIX_BLOCK_N": 64, "INTERLEAVE": True}, 4, 3),
     ]
     for overrides, num_warps, num_stages in attention:
         compiled = compile_attention(True, num_warps, num_stages, **overrides)

@@ -128,15 +128,6 @@ def test_forest_decode_bf16_matches_reference(block_size: int, queries_per_kv: i
     _check(paged_out, paged_lse, batch, scale)
 
 
-@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), LATIN[::2])
-def test_fused_combine_bf16_matches_reference(block_size: int, queries_per_kv: int, head_dim: int) -> None:
-    # The suffix pass merges the prefix partials of one-item suffixes itself (ForestKernelConfig.fuse_combine).
-    seed = block_size * 1000 + queries_per_kv * 10 + head_dim + 1
-    batch = _random_batch(seed, block_size, queries_per_kv, head_dim, max_query_len=1 + seed % 4)
-    config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, suffix_block_n=64, fuse_combine=True)
-    _forest_decode_and_check(batch, queries_per_kv, config)
-
-
 def test_head_major_cache_and_fp32() -> None:
     batch = make_decode_batch(
         [300, 129], [[0, 40, 7], [3, 90]], queries_per_kv=4, head_dim=128, device="cuda", head_major_cache=True, seed=5
@@ -303,9 +294,7 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
         assert not workspace.counts.any() and not workspace.leader_slots.any() and not workspace.ticket.any()
 
 
-@pytest.mark.parametrize(
-    "variant", ["one_launch", "side_stream", "chained_passes", "persistent_suffix", "interleaved_items"]
-)
+@pytest.mark.parametrize("variant", ["one_launch", "split_passes"])
 def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant: str) -> None:
     # Programmatic dependent launch (sm_90+; elsewhere the config field is ignored and this is a plain run): plan and
     # three layers' decodes back to back on one stream, the plan and every layer reading the one before it.
@@ -313,26 +302,19 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
 
     from test_forest_decode import _plan
 
-    from arctic_dedup.forest._launch import DecodeKnobs, launch_forest_decode
+    from arctic_dedup.forest._launch import launch_forest_decode
 
     layers = _layers_of_one_step(21, 4, (300, 900), 200, max_samples=12, min_samples=2)
     first = layers[0]
     config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
-    config = replace(config, split_passes=variant not in ("one_launch", "interleaved_items"))
-    config = replace(config, chain_passes=variant in ("chained_passes", "persistent_suffix"))
-    knobs = {
-        # Round 13: a fixed suffix grid, two programs per SM capped at 128 registers, chained after the prefix pass.
-        "persistent_suffix": DecodeKnobs(suffix_programs_per_sm=2, max_registers=128, prefix_max_registers=255),
-        # Round 15: one launch, prefix and suffix items alternating over the programs.
-        "interleaved_items": DecodeKnobs(interleave_items=True),
-    }.get(variant, DecodeKnobs())
+    config = replace(config, split_passes=variant == "split_passes")
     outs = [torch.empty_like(layer.query) for layer in layers]
     lses = [torch.empty(layer.query.shape[:2], device="cuda") for layer in layers]
 
     def step() -> None:
         plan = _plan(first, 4, config)
         for layer, out, lse in zip(layers, outs, lses, strict=True):
-            launch_forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1, out, lse, knobs)
+            launch_forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1, out, lse)
 
     def check() -> None:
         torch.cuda.synchronize()
@@ -354,38 +336,7 @@ def test_dependent_launches_match_reference_eagerly_and_in_a_cuda_graph(variant:
     check()
 
 
-def test_launch_timeline_records_every_program() -> None:
-    from test_forest_decode import _plan
-
-    from arctic_dedup.forest._launch import DecodeKnobs, LaunchTimeline, launch_forest_decode
-
-    batch = make_decode_batch(
-        [700, 300], [[40, 0, 90], [10, 200]], queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda"
-    )
-    config = ForestKernelConfig(split_granularity=64, prefix_block_n=64, split_passes=True)
-    plan = _plan(batch, 4, config)
-    out, lse = torch.empty_like(batch.query), torch.empty(batch.query.shape[:2], device="cuda")
-    timeline = LaunchTimeline()
-    launch_forest_decode(
-        batch.query, batch.key_cache, batch.value_cache, plan, 0.1, out, lse, DecodeKnobs(timeline=timeline)
-    )
-    torch.cuda.synchronize()
-    _check(out, lse, batch, 0.1)
-    assert set(timeline.launches) == {"prefix pass", "suffix pass", "combine"}
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for rows in timeline.launches.values():
-        entry, start, end, sm = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
-        assert bool((entry > 0).all()) and bool((entry <= start).all()) and bool((start <= end).all())
-        assert bool((sm >= 0).all()) and bool((sm < sms).all())
-    items = int(plan.work_start[-1])
-    tags = torch.cat([timeline.launches[name][:, 4] for name in ("prefix pass", "suffix pass")])
-    # Every work item once per kv head (its kv heads are neighbouring programs).
-    assert sorted(tags[tags >= 0].tolist()) == sorted(list(range(items)) * plan.num_kv_heads)
-
-
-@pytest.mark.parametrize(
-    "variant", ["one_launch", "side_stream", "chained_passes", "combine_slices", "paged", "default_rule"]
-)
+@pytest.mark.parametrize("variant", ["one_launch", "split_passes", "combine_slices", "paged", "default_rule"])
 def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant: str) -> None:
     # ForestKernelConfig.early_combine: combine programs wait on per-(request, kv head) counts and run beside the
     # attention launch. Plan and three layers in a CUDA graph, replayed again and again: every replay must give the
@@ -394,25 +345,22 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
 
     from test_forest_decode import _paged_plan, _plan
 
-    from arctic_dedup.forest._launch import DecodeKnobs, launch_forest_decode
+    from arctic_dedup.forest._launch import launch_forest_decode
 
     # Enough requests for several waves of attention programs, so that combine programs wait beside them.
     layers = _layers_of_one_step(23, 6, (600, 2400), 400, max_samples=16, min_samples=1)
     first = layers[0]
     base = ForestKernelConfig(split_granularity=64, prefix_block_n=64, dependent_launches=True)
-    base = replace(
-        base, split_passes=variant in ("side_stream", "chained_passes"), chain_passes=variant == "chained_passes"
-    )
+    base = replace(base, split_passes=variant == "split_passes")
     if variant == "combine_slices":
         base = replace(base, combine_dim_block=32, combine_num_warps=1, combine_chunk_cap=4)
     if variant == "default_rule":
-        # plan_forest's rule for batches of more (request, kv head) pairs than multiprocessors (chained split
-        # passes; 16 stands for the SM count so this batch gets it), with the plain combine beside it.
+        # plan_forest's rule for batches of more (request, kv head) pairs than multiprocessors (split passes;
+        # 16 stands for the SM count so this batch gets it), with the plain combine beside it.
         from arctic_dedup.forest.plan import default_forest_config
 
         base = replace(default_forest_config(first.seq_lens.shape[0], 2, 16), early_combine=False)
-        assert base.chain_passes and base.split_passes
-    knobs = DecodeKnobs()
+        assert base.split_passes
 
     def run(config: ForestKernelConfig) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
         outs = [torch.full_like(layer.query, float("nan")) for layer in layers]
@@ -423,7 +371,7 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
             plan = _paged_plan(first, 4, replace(config, waves=4.0)) if variant == "paged" else _plan(first, 4, config)
             holder[:] = [plan]
             for layer, out, lse in zip(layers, outs, lses, strict=True):
-                launch_forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1, out, lse, knobs)
+                launch_forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1, out, lse)
 
         step()
         torch.cuda.synchronize()

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arctic_dedup import gather_rows, pack, unpack
+from arctic_dedup import pack, unpack
+from arctic_dedup.packing import gather_rows
 from arctic_zorro_train.context import CONTEXT_KWARG, ZorroContext
 
 __all__ = [

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_dedup import IndexMap, Plan
+from arctic_dedup import Plan
 from arctic_dedup.attention import TreeAttentionBackend
+from arctic_dedup.index_map import IndexMap
 from arctic_zorro_train.gated_delta import GatedDeltaSchedule, build_gated_delta_schedule
 
 __all__ = ["CONTEXT_KWARG", "ReconstructMaps", "ZorroContext", "build_context", "build_reconstruct_maps"]

@@ -1,9 +1,9 @@
 # mypy: disable-error-code="no-untyped-def"
 """Triton kernels for tree attention (``@triton.jit`` code only; checks, allocation and grids live in ``_launch``).
 
-Layout: q/k/v/o/do are ``[T, H, D]`` with unit stride along D; lse and delta are ``[Hq, T]`` fp32. Block tables come
-from ``block_sparsity`` on ``kv_visible_until`` padded so that every block listed as *full* lies inside ``[0, T)``
-(its loads need no bounds mask); *partial* blocks carry the element mask, which also masks rows past ``T``.
+Layout: q/k/v/o/do are ``[T, H, D]`` with unit stride along D; lse and delta are ``[Hq, T]`` fp32. Block tables
+come from ``_tables.kernel_tables`` on ``kv_visible_until``, padded so that every block listed as *full* lies inside
+``[0, T)`` (its loads need no bounds mask); *partial* blocks carry the element mask, which also masks rows past ``T``.
 Scores live in the log2 domain: ``s2 = q.k * scale * log2(e)`` (after the softcap), so ``exp2`` replaces ``exp``.
 
 Backward ``FOLD`` (a launch option): the row statistics enter the matrix products as accumulator initial values,
@@ -241,45 +241,6 @@ def _dp_minus_delta(v, do, delta, FOLD: tl.constexpr, DOT_PRECISION: tl.constexp
 
 
 @triton.jit
-def _red_add_pairs(ptrs, values, mask):
-    """``values`` added to ``*ptrs`` (fp32, relaxed, device scope) where ``mask``, in the values' own register
-    layout: inline PTX is not a memory operation to the compiler, so no layout change through shared memory (and
-    no barriers) precedes it. Each thread's consecutive pair of elements goes out as one 8-byte ``red.v2`` at the
-    pair's first address: in the wgmma accumulator layout a thread's pairs are adjacent columns of one row starting
-    at an even column (checked in the sm_90 SASS: one ``REDG.E.ADD.F32x2`` per pair at the pair's base address).
-    The address is rounded down to 8 bytes, so a layout without that property gives a wrong dQ (which the
-    benchmark's check reports), never a misaligned access. Not available in the interpreter."""
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred m;
-        .reg .b64 a;
-        setp.ne.b32 m, $6, 0;
-        and.b64 a, $2, -8;
-        @m red.global.gpu.relaxed.add.v2.f32 [a], {$4, $5};
-        mov.b32 $0, 0;
-        mov.b32 $1, 0;
-        }""",
-        constraints="=r,=r,l,l,f,f,r,r",
-        args=[ptrs.to(tl.int64, bitcast=True), values, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=2,
-    )
-
-
-@triton.jit
-def _add_dq(ptrs, values, mask, DQ_ASM: tl.constexpr, DQ_PROBE: tl.constexpr):
-    """A tile's dQ share into the fp32 accumulator: atomic adds, inline ``red.v2`` (``DQ_ASM``), or, as a timing
-    probe only, plain stores (``DQ_PROBE``: the result is wrong, the time shows what the atomics cost)."""
-    if DQ_PROBE:
-        tl.store(ptrs, values, mask=mask)
-    elif DQ_ASM:
-        _red_add_pairs(ptrs, values, mask)
-    else:
-        tl.atomic_add(ptrs, values, mask=mask, sem="relaxed")
-
-
-@triton.jit
 def _dkdv_blocks(
     dk,
     dv,
@@ -304,9 +265,6 @@ def _dkdv_blocks(
     scale,
     softcap,
     window,
-    q_desc,
-    do_desc,
-    head_col,
     MASKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -314,12 +272,7 @@ def _dkdv_blocks(
     ATOMIC_DQ: tl.constexpr,
     FOLD: tl.constexpr,
     DP_FIRST: tl.constexpr,
-    P_LOW: tl.constexpr,
     DQ_SPLIT: tl.constexpr,
-    DQ_TRANS: tl.constexpr,
-    DQ_PROBE: tl.constexpr,
-    DQ_ASM: tl.constexpr,
-    TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -336,13 +289,7 @@ def _dkdv_blocks(
         qT_ptrs = q_head_ptr + offs_m[None, :] * stride_qt + offs_d[:, None]
         do_ptrs = do_head_ptr + offs_m[:, None] * stride_dot + offs_d[None, :]
         row_ok = offs_m < num_tokens
-        if TMA:
-            # Tensor-memory-accelerator copies of [BLOCK_M, D] boxes of the [T, H * D] views: one instruction per
-            # tile instead of per-thread addresses, rows past T are zero-filled by the copy itself.
-            first_row = (block * BLOCK_M).to(tl.int32)
-            qT = tl.trans(q_desc.load([first_row, head_col]))
-            do = do_desc.load([first_row, head_col])
-        elif MASKED:
+        if MASKED:
             qT = tl.load(qT_ptrs, mask=row_ok[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
         else:
@@ -375,9 +322,6 @@ def _dkdv_blocks(
                 visible = visible & ((pos_m[None, :] - pos_n[:, None]) < window)
             pT = tl.where(visible, pT, 0.0)
         pT_low = pT.to(do.dtype)
-        if P_LOW:
-            # dS from the rounded P (the operand dV uses anyway): no fp32 copy of P stays live.
-            pT = pT_low.to(tl.float32)
         if not DP_FIRST:
             dv = tl.dot(pT_low, do, dv, input_precision=DOT_PRECISION)
             dpT_minus_delta = _dp_minus_delta(v, do, delta, FOLD, DOT_PRECISION, BLOCK_N, BLOCK_M)
@@ -387,13 +331,7 @@ def _dkdv_blocks(
         if DP_FIRST:
             dv = tl.dot(pT_low, do, dv, input_precision=DOT_PRECISION)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ and DQ_TRANS:
-            # dQ^T [D, M] = K^T dS^T: both operands come from shared memory (K is resident, dS^T is stored once), so
-            # no transposed copy of dS is read back into registers; one product with D = 128 rows across the warps.
-            dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION) * scale
-            dq_ptrs = dq_head_ptr + offs_m[None, :] * stride_dqt + offs_d[:, None]
-            _add_dq(dq_ptrs, dqT, row_ok[None, :] & (offs_d[:, None] >= 0), False, DQ_PROBE)
-        elif ATOMIC_DQ:
+        if ATOMIC_DQ:
             ds = tl.trans(dsT.to(k.dtype))
             dq_rows = dq_head_ptr + offs_m[:, None] * stride_dqt
             if DQ_SPLIT:
@@ -401,12 +339,13 @@ def _dkdv_blocks(
                 half = tl.arange(0, HEAD_DIM // 2)
                 rows_ok = row_ok[:, None] & (half[None, :] >= 0)
                 dq = tl.dot(ds, k_low, input_precision=DOT_PRECISION) * scale
-                _add_dq(dq_rows + half[None, :], dq, rows_ok, DQ_ASM, DQ_PROBE)
+                tl.atomic_add(dq_rows + half[None, :], dq, mask=rows_ok, sem="relaxed")
                 dq = tl.dot(ds, k_high, input_precision=DOT_PRECISION) * scale
-                _add_dq(dq_rows + HEAD_DIM // 2 + half[None, :], dq, rows_ok, DQ_ASM, DQ_PROBE)
+                tl.atomic_add(dq_rows + HEAD_DIM // 2 + half[None, :], dq, mask=rows_ok, sem="relaxed")
             else:
                 dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * scale
-                _add_dq(dq_rows + offs_d[None, :], dq, row_ok[:, None] & (offs_d[None, :] >= 0), DQ_ASM, DQ_PROBE)
+                dq_mask = row_ok[:, None] & (offs_d[None, :] >= 0)
+                tl.atomic_add(dq_rows + offs_d[None, :], dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 
@@ -447,8 +386,6 @@ def tree_attention_bwd_dkdv_kernel(
     scale,
     softcap,
     window,
-    q_desc,
-    do_desc,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -459,12 +396,7 @@ def tree_attention_bwd_dkdv_kernel(
     ATOMIC_DQ: tl.constexpr,
     FOLD: tl.constexpr,
     DP_FIRST: tl.constexpr,
-    P_LOW: tl.constexpr,
     DQ_SPLIT: tl.constexpr,
-    DQ_TRANS: tl.constexpr,
-    DQ_PROBE: tl.constexpr,
-    DQ_ASM: tl.constexpr,
-    TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program per (key block, kv head): dK and dV summed over the whole query-head group, no atomics."""
@@ -484,7 +416,7 @@ def tree_attention_bwd_dkdv_kernel(
         v = v.to(tl.float32)
     k_low = k
     k_high = k
-    if ATOMIC_DQ and DQ_SPLIT and not DQ_TRANS:
+    if ATOMIC_DQ and DQ_SPLIT:
         half = tl.arange(0, HEAD_DIM // 2)
         k_half_ptrs = k_ptr + offs_n[:, None] * stride_kt + kv_head * stride_kh + half[None, :]
         k_low = tl.load(k_half_ptrs, mask=key_ok[:, None], other=0.0)
@@ -508,18 +440,16 @@ def tree_attention_bwd_dkdv_kernel(
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, k_low, k_high, q_head_ptr, do_head_ptr, dq_head_ptr, lse_head_ptr, delta_head_ptr,
             stride_qt, stride_dot, stride_dqt, full_row, full_count, offs_n, until_ptr, pos_ptr,
-            num_tokens, scale, softcap, window, q_desc, do_desc, (head * HEAD_DIM).to(tl.int32),
-            False, SOFTCAP, WINDOW, UPCAST, ATOMIC_DQ, FOLD, DP_FIRST, P_LOW, DQ_SPLIT, DQ_TRANS, DQ_PROBE, DQ_ASM,
-            TMA,
-            DOT_PRECISION, BLOCK_M, BLOCK_N, HEAD_DIM,
+            num_tokens, scale, softcap, window,
+            False, SOFTCAP, WINDOW, UPCAST, ATOMIC_DQ, FOLD, DP_FIRST, DQ_SPLIT, DOT_PRECISION,
+            BLOCK_M, BLOCK_N, HEAD_DIM,
         )  # fmt: skip
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, k_low, k_high, q_head_ptr, do_head_ptr, dq_head_ptr, lse_head_ptr, delta_head_ptr,
             stride_qt, stride_dot, stride_dqt, part_row, part_count, offs_n, until_ptr, pos_ptr,
-            num_tokens, scale, softcap, window, q_desc, do_desc, (head * HEAD_DIM).to(tl.int32),
-            True, SOFTCAP, WINDOW, UPCAST, ATOMIC_DQ, FOLD, DP_FIRST, P_LOW, DQ_SPLIT, DQ_TRANS, DQ_PROBE, DQ_ASM,
-            TMA,
-            DOT_PRECISION, BLOCK_M, BLOCK_N, HEAD_DIM,
+            num_tokens, scale, softcap, window,
+            True, SOFTCAP, WINDOW, UPCAST, ATOMIC_DQ, FOLD, DP_FIRST, DQ_SPLIT, DOT_PRECISION,
+            BLOCK_M, BLOCK_N, HEAD_DIM,
         )  # fmt: skip
     dk = dk * scale
     tl.store(

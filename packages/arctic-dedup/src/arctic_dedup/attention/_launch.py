@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +18,6 @@ __all__ = ["TritonConfig", "default_triton_config", "launch_backward", "launch_f
 
 # Tests set this to fill every new output with NaN, so an element a kernel forgets to write fails the comparison.
 poison_outputs = False
-# Timing probe only (the benchmark's --bwd-sweep sets it): the atomic-dQ backward writes its dQ tiles with plain
-# stores instead of atomic adds, so dQ is WRONG; the time difference is what the fp32 atomics cost.
-dq_store_probe = False
 
 
 @dataclass(frozen=True)
@@ -34,20 +31,9 @@ class TritonConfig:
     thread holds ``bwd_block_m / 4`` values of each vector; one multiply less per score).
     ``dp_first``: the dK/dV kernel computes both ``K Q^T`` and ``V dO^T`` before the exponentials (flash-attention 2
     order) instead of issuing the dV product in between.
-    ``p_low_precision``: the dK/dV kernel forms dS from P rounded to the input dtype (the dV operand) and keeps no
-    fp32 copy of P; no effect on fp32 inputs.
     ``split_atomic_dq``: with ``atomic_dq``, each tile's dQ share is two ``[bwd_block_m, D/2]`` products and atomic
     adds (half the fp32 tile live at a time; K's halves take another ``bwd_block_n * D`` elements of shared memory);
     head dims below 32 ignore it (a product needs 16 columns).
-    ``transposed_atomic_dq``: with ``atomic_dq``, each tile's dQ share is one ``[D, bwd_block_m]`` product
-    ``K^T dS^T`` whose operands both stay in shared memory (no transposed dS read back into registers, one wait and
-    one atomic epilogue per tile instead of two); overrides ``split_atomic_dq``.
-    ``tma_loads``: the dK/dV kernel reads its Q and dO tiles through tensor descriptors (TMA on sm_90; zero-filled
-    rows past the end), not per-thread pointers; needs contiguous ``[T, H, D]`` Q and dO, ignored otherwise.
-    ``inline_red_dq``: with ``atomic_dq`` (not transposed), the dQ adds are inline PTX ``red`` in the product's own
-    register layout: no layout change through shared memory and no barriers before them (8-byte ``red.v2`` per
-    column pair). fp32 inputs and the interpreter run ``tl.atomic_add`` instead (no tensor-core layout there; the
-    interpreter has no inline PTX).
     """
 
     # Defaults: the H200 measurements (bf16, d=128; benchmarks/results/tree_attention.json and
@@ -69,11 +55,7 @@ class TritonConfig:
     atomic_dq: bool = True
     fold_statistics: bool = True
     dp_first: bool = True
-    p_low_precision: bool = False
     split_atomic_dq: bool = True
-    transposed_atomic_dq: bool = False
-    tma_loads: bool = False
-    inline_red_dq: bool = False
 
     def validate(self) -> None:
         for name in ("block_m", "block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
@@ -249,7 +231,6 @@ def launch_backward(
     else:
         dq_accumulator = _empty(tuple(query.shape), query.dtype, device)
     tables: KernelTables = kernel_tables(plan, config.bwd_block_m, config.bwd_block_n, sliding_window)
-    q_desc, do_desc = _row_descriptors(config, query, grad_out)
     tree_attention_bwd_dkdv_kernel[(num_kv_heads, tables.num_k_blocks)](
         query, key, value, grad_out, statistics, delta, dq_accumulator, dk, dv,
         tables.q_full_num, tables.q_full_indices, tables.q_part_num, tables.q_part_indices, tables.k_block_order,
@@ -257,13 +238,10 @@ def launch_backward(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq_accumulator.stride(0), dq_accumulator.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), tables.q_full_indices.stride(0),
-        num_tokens, float(scale), cap, window, q_desc, do_desc,
+        num_tokens, float(scale), cap, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n,
         SOFTCAP=use_cap, WINDOW=use_window, UPCAST=upcast, ATOMIC_DQ=atomic, FOLD=fold,
-        DP_FIRST=config.dp_first, P_LOW=config.p_low_precision,
-        DQ_SPLIT=config.split_atomic_dq and head_dim >= 32, DQ_TRANS=config.transposed_atomic_dq,
-        DQ_PROBE=dq_store_probe and atomic, DQ_ASM=_inline_red(config, query.dtype),
-        TMA=q_desc is not None, DOT_PRECISION=precision,
+        DP_FIRST=config.dp_first, DQ_SPLIT=config.split_atomic_dq and head_dim >= 32, DOT_PRECISION=precision,
         num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
     )  # fmt: skip
     if atomic:
@@ -284,27 +262,5 @@ def launch_backward(
     return dq, dk, dv
 
 
-def _inline_red(config: TritonConfig, dtype: torch.dtype) -> bool:
-    """Inline ``red.v2`` only where the dQ product is a tensor-core product (16-bit inputs): its accumulator layout
-    gives each thread adjacent column pairs. fp32 (FMA products) and the interpreter use ``tl.atomic_add``."""
-    return config.inline_red_dq and dtype != torch.float32 and not interpreting()
-
-
-def _row_descriptors(config: TritonConfig, query: torch.Tensor, grad_out: torch.Tensor) -> tuple[Any, Any]:
-    """Tensor descriptors over the ``[T, H * D]`` views of Q and dO (``[bwd_block_m, D]`` boxes) when the config
-    asks for them and both are contiguous; (None, None) otherwise (the kernel then loads through pointers)."""
-    if not (config.tma_loads and query.is_contiguous() and grad_out.is_contiguous()):
-        return None, None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    block = [config.bwd_block_m, query.shape[2]]
-    return tuple(TensorDescriptor.from_tensor(t.view(t.shape[0], -1), block) for t in (query, grad_out))  # type: ignore[return-value]
-
-
 def triton_cdiv(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
-
-
-def with_overrides(config: TritonConfig, **overrides: int | bool) -> TritonConfig:
-    """A copy of ``config`` with some fields replaced (the benchmark's sweep uses it)."""
-    return replace(config, **overrides)  # type: ignore[arg-type]

@@ -1,10 +1,10 @@
 """Block tables for the Triton kernels: per query block the key blocks to visit (and the transpose), split into
 fully visible blocks (no element mask) and partial ones, with a sliding window folded in.
 
-Differences from ``plan.attention``: (1) the packed length is padded to a multiple of both block sizes and padded
-keys are visible to nobody, so a block listed as full never reaches past ``T`` and its loads need no bounds mask;
-(2) a sliding window (logical positions) drops tiles that lie entirely outside it and demotes tiles it cuts to
-partial; (3) a work order (heaviest blocks first) for the grid. Built on the plan's device without host syncs,
+The packed length is padded to a multiple of both block sizes and padded keys are visible to nobody, so a block
+listed as full never reaches past ``T`` and its loads need no bounds mask; a sliding window (logical positions)
+drops tiles that lie entirely outside it and demotes tiles it cuts to partial; a work order (heaviest blocks first)
+sets the grid. Built on the plan's device without host syncs,
 once per (plan, block sizes, window), and cached for as long as the plan lives.
 """
 

@@ -152,8 +152,8 @@ def _pad_tokens(values: torch.Tensor, padded_length: int) -> torch.Tensor:
 
 def _plan_blocks(plan: Plan, sliding_window: int | None) -> KernelTables:
     """128x128 tables whose full blocks never reach past ``T``: the inputs are padded, so a block FlexAttention
-    treats as full would otherwise see padded keys without its mask function (``plan.attention`` may list the
-    last, partly filled key block as full). The sliding window also drops tiles that lie outside it."""
+    treats as full would otherwise see padded keys without its mask function. The sliding window also drops tiles
+    that lie outside it."""
     return kernel_tables(plan, FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE, sliding_window)
 
 

@@ -20,8 +20,8 @@ Decode (per layer, two launches; three when the prefix and suffix passes are spl
   suffix splits of requests (each request's own tokens, causal within its query tokens). A request whose whole
   context is one suffix item writes its output directly; every other item writes a normalized fp32 partial and its
   log-sum-exp (natural log, ``-inf`` for a row that saw no key).
-  ``PASS`` 1 or 2 runs only the prefix or only the suffix items (a split launch: each pass gets its own tile
-  shapes and launch options; ``PASS`` 0 runs both in one launch).
+  ``PASS`` 1 or 2 runs only the prefix or only the suffix items (a split launch: the prefix pass first, then the
+  suffix pass on the same stream; ``PASS`` 0 runs both in one launch).
 - ``forest_combine_kernel``: one program per (request, kv head, slice of head dims) that has partials; merges them
   by log-sum-exp. With ``EARLY`` every attention item releases a count per (request, kv head) it served after its
   stores, and a combine program merges once its request's count is complete (the last slice clears it).
@@ -69,27 +69,6 @@ def _back_off():
     # A program waiting on a count sleeps a little between polls, leaving its multiprocessor's issue slots to the
     # attention programs beside it (sm_70+).
     tl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _timestamp(TIMELINE: tl.constexpr):
-    # The device's nanosecond clock (common to all multiprocessors), read only by timeline builds.
-    if TIMELINE:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    else:
-        return tl.zeros([], dtype=tl.int64)
-
-
-@triton.jit
-def _record_timeline(timeline_ptr, entry, start, tag, TIMELINE: tl.constexpr):
-    # One row of 8 int64 per program: entry, start (after waiting for the launch before), end, SM id, tag.
-    if TIMELINE:
-        end = _timestamp(TIMELINE)
-        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        fields = tl.arange(0, 8)
-        values = tl.where(fields == 0, entry, tl.where(fields == 1, start, end))
-        values = tl.where(fields == 3, sm.to(tl.int64), tl.where(fields == 4, tag.to(tl.int64), values))
-        tl.store(timeline_ptr + tl.program_id(0).to(tl.int64) * 8 + fields, values, mask=fields < 5)
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -244,8 +223,9 @@ def _finish_plan(
         num_groups = tl.sum(is_leader.to(tl.int32), 0)
         num_grouped = tl.sum(grouped.to(tl.int32), 0)
         keep = (num_grouped >= min_grouped_requests) & ((max_groups < 0) | (num_groups <= max_groups))
-        grouped = grouped & keep
-        is_leader = is_leader & keep
+        # A select, not ``& keep``: Triton 3.9's interpreter gives a block-and-scalar ``&`` a non-bool mask dtype.
+        grouped = tl.where(keep, grouped, False)
+        is_leader = tl.where(keep, is_leader, False)
         leader = tl.where(grouped, leader, requests)
         prefix = tl.where(grouped, common, 0)
         # Tiles and member lists are laid out in the order of the leaders' request indices.
@@ -686,15 +666,11 @@ def _suffix_item(
     seq_lens_ptr,
     prefix_blocks_ptr,
     tile_of_ptr,
-    slot_in_tile_ptr,
-    work_start_ptr,
     split_tokens_ptr,
     out_ptr,
     lse_ptr,
     part_out_ptr,
     part_lse_ptr,
-    prefix_part_out_ptr,
-    prefix_part_lse_ptr,
     ready_ptr,
     request,
     item,
@@ -722,11 +698,9 @@ def _suffix_item(
     head_dim,
     num_kv_heads,
     HAS_PREFIX: tl.constexpr,
-    FUSE: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PAGE: tl.constexpr,
-    PREFIX_BLOCK_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -792,32 +766,7 @@ def _suffix_item(
     out, lse = _finish_rows(m_i, l_i, acc)
     direct = item_count == 1
     if HAS_PREFIX:
-        tile = tl.load(tile_of_ptr + request)
-        if FUSE:
-            # The prefix pass has finished (same stream, launched first): a request whose suffix is this one item
-            # merges its tile's prefix partials here, so the combine never sees it.
-            if direct & (tile >= 0):
-                out, lse = _merge_prefix_partials(
-                    out,
-                    lse,
-                    prefix_part_out_ptr,
-                    prefix_part_lse_ptr,
-                    work_start_ptr,
-                    tile,
-                    tl.load(slot_in_tile_ptr + request),
-                    kv_head,
-                    rows,
-                    row_ok,
-                    dims,
-                    dim_ok,
-                    head_dim,
-                    num_kv_heads,
-                    G,
-                    QMAX,
-                    PREFIX_BLOCK_M,
-                )
-        else:
-            direct = direct & (tile < 0)
+        direct = direct & (tl.load(tile_of_ptr + request) < 0)
     if direct:
         # The request's whole context was this one item: this is the final result (the combine skips it).
         out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
@@ -839,53 +788,6 @@ def _suffix_item(
 
 
 @triton.jit
-def _merge_prefix_partials(
-    out,
-    lse,
-    part_out_ptr,
-    part_lse_ptr,
-    work_start_ptr,
-    tile,
-    slot,
-    kv_head,
-    rows,
-    row_ok,
-    dims,
-    dim_ok,
-    head_dim,
-    num_kv_heads,
-    G: tl.constexpr,
-    QMAX: tl.constexpr,
-    PREFIX_BLOCK_M: tl.constexpr,
-):
-    # Log-sum-exp merge (natural log) of a suffix result with every prefix split of its tile, one split at a time
-    # (the splits' loads do not depend on each other). A row or partial with lse = -inf saw no key.
-    prefix_first = tl.load(work_start_ptr + tile)
-    prefix_count = tl.load(work_start_ptr + tile + 1) - prefix_first
-    run_max = lse
-    run_sum = tl.where(lse == float("-inf"), 0.0, 1.0)
-    acc = tl.where(run_sum[:, None] > 0.0, out, 0.0)
-    for index in range(0, prefix_count):
-        base = ((prefix_first + index).to(tl.int64) * num_kv_heads + kv_head) * PREFIX_BLOCK_M + slot * (QMAX * G)
-        part_lse = tl.load(part_lse_ptr + base + rows, mask=row_ok, other=float("-inf"))
-        part = tl.load(
-            part_out_ptr + (base + rows)[:, None] * head_dim + dims[None, :],
-            mask=row_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        new_max = tl.maximum(run_max, part_lse)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        old_scale = tl.exp(run_max - shift)
-        part_scale = tl.exp(part_lse - shift)
-        run_sum = run_sum * old_scale + part_scale
-        acc = acc * old_scale[:, None] + tl.where(part_scale[:, None] > 0.0, part * part_scale[:, None], 0.0)
-        run_max = new_max
-    has_keys = run_sum > 0.0
-    safe_sum = tl.where(has_keys, run_sum, 1.0)
-    return acc / safe_sum[:, None], tl.where(has_keys, run_max + tl.log(safe_sum), float("-inf"))
-
-
-@triton.jit
 def _run_item(
     q_ptr,
     k_ptr,
@@ -895,7 +797,6 @@ def _run_item(
     seq_lens_ptr,
     prefix_blocks_ptr,
     tile_of_ptr,
-    slot_in_tile_ptr,
     tile_leader_ptr,
     tile_prefix_blocks_ptr,
     tile_member_start_ptr,
@@ -932,7 +833,6 @@ def _run_item(
     head_dim,
     num_kv_heads,
     HAS_PREFIX: tl.constexpr,
-    FUSE: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PAGE: tl.constexpr,
@@ -1022,15 +922,11 @@ def _run_item(
             seq_lens_ptr,
             prefix_blocks_ptr,
             tile_of_ptr,
-            slot_in_tile_ptr,
-            work_start_ptr,
             split_tokens_ptr,
             out_ptr,
             lse_ptr,
             suffix_part_out_ptr,
             suffix_part_lse_ptr,
-            prefix_part_out_ptr,
-            prefix_part_lse_ptr,
             ready_ptr,
             (owner - num_requests).to(tl.int64),
             item,
@@ -1058,11 +954,9 @@ def _run_item(
             head_dim,
             num_kv_heads,
             HAS_PREFIX,
-            FUSE,
             G,
             QMAX,
             PAGE,
-            PREFIX_BLOCK_M,
             SUFFIX_BLOCK_M,
             ROWS,
             SUFFIX_BLOCK_N,
@@ -1083,7 +977,6 @@ def forest_attention_kernel(
     seq_lens_ptr,
     prefix_blocks_ptr,
     tile_of_ptr,
-    slot_in_tile_ptr,
     tile_leader_ptr,
     tile_prefix_blocks_ptr,
     tile_member_start_ptr,
@@ -1119,9 +1012,7 @@ def forest_attention_kernel(
     num_requests,
     head_dim,
     num_kv_heads,
-    timeline_ptr,
     HAS_PREFIX: tl.constexpr,
-    FUSE: tl.constexpr,
     OWNERS_BLOCK: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
@@ -1136,14 +1027,9 @@ def forest_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
     EARLY: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
-    TIMELINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    entry = _timestamp(TIMELINE)
     _follow_previous_launch(PDL)
-    start = _timestamp(TIMELINE)
     # The kv heads of one item are adjacent programs: they read neighbouring bytes of the same cache blocks.
     pid = tl.program_id(0)
     work = pid // num_kv_heads
@@ -1160,86 +1046,7 @@ def forest_attention_kernel(
     limit = total_work
     if PASS == 1:
         limit = prefix_total
-    if INTERLEAVE:
-        # One launch with both kinds of items: even programs take prefix items, odd ones suffix items, so that
-        # neighbouring programs (which the block scheduler tends to place on one multiprocessor) differ in kind.
-        pair = pid // 2
-        kv_head = pair % num_kv_heads
-        suffix_program = (pid % 2) == 1
-        work = tl.where(suffix_program, prefix_total, 0) + pair // num_kv_heads
-        limit = tl.where(suffix_program, total_work, prefix_total)
-    # Two call sites on purpose: any loop around the item, even one that runs once, costs the other passes registers
-    # (sm_90, Triton 3.6: suffix pass 112 -> 154, prefix pass 253 -> 255 with spills), so only PERSISTENT loops.
-    if PERSISTENT:
-        # A fixed grid: each program runs every work item of its slot, one grid's worth of slots apart.
-        slots = tl.num_programs(0) // num_kv_heads
-        for slot_work in range(work, limit, slots):
-            _run_item(
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                block_table_ptr,
-                query_start_ptr,
-                seq_lens_ptr,
-                prefix_blocks_ptr,
-                tile_of_ptr,
-                slot_in_tile_ptr,
-                tile_leader_ptr,
-                tile_prefix_blocks_ptr,
-                tile_member_start_ptr,
-                tile_member_count_ptr,
-                member_list_ptr,
-                work_start_ptr,
-                split_tokens_ptr,
-                out_ptr,
-                lse_ptr,
-                prefix_part_out_ptr,
-                prefix_part_lse_ptr,
-                suffix_part_out_ptr,
-                suffix_part_lse_ptr,
-                ready_ptr,
-                scale_log2,
-                stride_q_token,
-                stride_q_head,
-                stride_q_dim,
-                stride_k_block,
-                stride_k_token,
-                stride_k_head,
-                stride_k_dim,
-                stride_v_block,
-                stride_v_token,
-                stride_v_head,
-                stride_v_dim,
-                stride_table_row,
-                stride_out_token,
-                stride_out_head,
-                stride_out_dim,
-                stride_lse_token,
-                stride_lse_head,
-                num_requests,
-                head_dim,
-                num_kv_heads,
-                HAS_PREFIX,
-                FUSE,
-                G,
-                QMAX,
-                PAGE,
-                PREFIX_BLOCK_M,
-                SUFFIX_BLOCK_M,
-                ROWS,
-                PREFIX_BLOCK_N,
-                SUFFIX_BLOCK_N,
-                HEAD_DIM,
-                UPCAST,
-                DOT_PRECISION,
-                PASS,
-                EARLY,
-                ends,
-                prefix_total,
-                slot_work,
-                kv_head,
-            )
-    elif work < limit:
+    if work < limit:
         _run_item(
             q_ptr,
             k_ptr,
@@ -1249,7 +1056,6 @@ def forest_attention_kernel(
             seq_lens_ptr,
             prefix_blocks_ptr,
             tile_of_ptr,
-            slot_in_tile_ptr,
             tile_leader_ptr,
             tile_prefix_blocks_ptr,
             tile_member_start_ptr,
@@ -1286,7 +1092,6 @@ def forest_attention_kernel(
             head_dim,
             num_kv_heads,
             HAS_PREFIX,
-            FUSE,
             G,
             QMAX,
             PAGE,
@@ -1305,7 +1110,6 @@ def forest_attention_kernel(
             work,
             kv_head,
         )
-    _record_timeline(timeline_ptr, entry, start, tl.where(work < limit, work, -1), TIMELINE)
     _end_after_previous_launch(PDL)
 
 
@@ -1330,9 +1134,7 @@ def forest_combine_kernel(
     head_dim,
     num_kv_heads,
     dim_chunks,
-    timeline_ptr,
     HAS_PREFIX: tl.constexpr,
-    FUSE: tl.constexpr,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PREFIX_BLOCK_M: tl.constexpr,
@@ -1341,14 +1143,11 @@ def forest_combine_kernel(
     DIM_BLOCK: tl.constexpr,
     EARLY: tl.constexpr,
     LOAD_CACHE: tl.constexpr,
-    TIMELINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    entry = _timestamp(TIMELINE)
     # With EARLY (PDL 3) nothing waits here: each program waits for its own request's items below, and for the
     # attention launch as a whole only at its end, so that this launch ending still implies that one ended.
     _follow_previous_launch(PDL)
-    start = _timestamp(TIMELINE)
     # One program per (request, kv head, slice of DIM_BLOCK head dims): narrower slices give more programs, each
     # loading all its partials in fewer rounds.
     pid = tl.program_id(0)
@@ -1367,11 +1166,8 @@ def forest_combine_kernel(
     if HAS_PREFIX:
         tile = tl.load(tile_of_ptr + request, cache_modifier=LOAD_CACHE)
         slot = tl.load(slot_in_tile_ptr + request, cache_modifier=LOAD_CACHE)
-    # A request whose context was one suffix item was written by the attention kernel itself; with FUSE, so was
-    # every request whose suffix was one item (its prefix partials merged there).
+    # A request whose context was one suffix item was written by the attention kernel itself.
     needed = (tile >= 0) | (suffix_count != 1)
-    if FUSE:
-        needed = suffix_count != 1
     if needed:
         prefix_first = tl.zeros([], dtype=tl.int32)
         prefix_count = tl.zeros([], dtype=tl.int32)
@@ -1387,7 +1183,6 @@ def forest_combine_kernel(
             while done < prefix_count + suffix_count:
                 _back_off()
                 done = tl.atomic_add(ready_at, 0, sem="acquire")
-            start = _timestamp(TIMELINE)
         rows = tl.arange(0, ROWS)
         query_offset = rows // G
         head = kv_head * G + rows % G
@@ -1441,12 +1236,12 @@ def forest_combine_kernel(
             mask=row_ok[:, None] & dim_ok[None, :],
         )
         lse_offsets = token * stride_lse_token + head.to(tl.int64) * stride_lse_head
-        tl.store(lse_ptr + lse_offsets, lse, mask=row_ok & (dim_chunk == 0))
+        # The first slice of head dims writes the lse (a select: see the note on ``keep`` in ``_finish_plan``).
+        tl.store(lse_ptr + lse_offsets, lse, mask=tl.where(dim_chunk == 0, row_ok, False))
         if EARLY:
             # The request's last combine program to arrive (one per slice of head dims) clears its count for the
             # next decode call; every other slice has already read it complete.
             arrived = tl.atomic_add(ready_at, 1, sem="relaxed")
             if arrived == prefix_count + suffix_count + dim_chunks - 1:
                 tl.atomic_xchg(ready_at, 0, sem="relaxed")
-    _record_timeline(timeline_ptr, entry, start, request, TIMELINE)
     _end_after_previous_launch(PDL)

@@ -63,16 +63,6 @@ class ForestGrouping:
             raise ValueError(f"max_groups must be >= 0 or None, got {self.max_groups}")
 
 
-def check_combine_shape(dim_block: int | None, num_warps: int | None, chunk_cap: int | None) -> None:
-    """Validate a combine launch shape (``None`` leaves a field unchecked: a knob that defers to the config)."""
-    if dim_block is not None and (dim_block < 16 or dim_block & (dim_block - 1)):
-        raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {dim_block}")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {num_warps}")
-    if chunk_cap is not None and (chunk_cap < 1 or chunk_cap & (chunk_cap - 1)):
-        raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {chunk_cap}")
-
-
 @dataclass(frozen=True)
 class ForestKernelConfig:
     """Tile shapes and work sizes of the decode kernels (tuned by ``benchmarks/fca_decode.py``).
@@ -86,13 +76,9 @@ class ForestKernelConfig:
         waves: suffix items are sized so that about ``waves * multiprocessors`` programs read suffixes.
         split_granularity: split lengths are rounded up to a multiple of this many tokens.
         multiprocessors: the device's multiprocessor count; ``None`` reads it from the device (8 on CPU).
-        split_passes: prefix items run as their own launch (``num_warps`` / ``num_stages`` for both), on a side
-            stream beside the suffix launch on CUDA (two branches of a captured graph, joined before the combine);
-            ignored by plans without groups.
-        fuse_combine: the prefix launch runs first and the suffix launch after it on the same stream; a request
-            whose suffix is one item merges its prefix partials in that item and writes its output, so the combine
-            only serves requests with several suffix items (implies ``split_passes``, without the side stream);
-            ignored by plans without groups.
+        split_passes: a plan with groups runs its prefix items as a launch of their own, then its suffix items, on
+            the caller's stream; with dependent launches the suffix pass is scheduled once every prefix program has
+            started (the prefix programs fill the device first) and waits for the prefix pass only at its end.
         combine_dim_block: head dims merged by one combine program (``None``: the whole head); a power of two >= 16.
         combine_num_warps: warps per combine program (1, 2, 4 or 8). The combine is latency-bound: narrower
             programs (fewer dims, fewer warps, fewer partials at a time) fit more of them on a multiprocessor, so
@@ -102,15 +88,11 @@ class ForestKernelConfig:
             launch of the plan and the decode is scheduled while the launch before it on its stream finishes, and
             its programs wait on the device for that launch's results (same results, shorter launch gaps; also
             inside CUDA graphs). Ignored on other devices and under the Triton interpreter.
-        chain_passes: split passes stay on the caller's stream, the prefix pass first (no side stream); with
-            dependent launches the suffix pass is scheduled once every prefix program has started (the prefix
-            programs fill the device first; the suffix programs take each multiprocessor as its prefix programs end)
-            and waits for the prefix pass only at its end. Ignored by plans without groups.
         early_combine: every attention item that writes a partial then counts itself done for its requests
             (``ForestPlan.combine_ready``), and each combine program merges its request as soon as that count is
             complete instead of after the whole attention launch; with dependent launches the combine then runs
             under the attention's last programs (same results; the last program to merge a request clears its
-            count again). Ignored with ``fuse_combine``.
+            count again).
     """
 
     prefix_block_m: int = 64
@@ -123,12 +105,10 @@ class ForestKernelConfig:
     split_granularity: int = 128
     multiprocessors: int | None = None
     split_passes: bool = False
-    fuse_combine: bool = False
     combine_dim_block: int | None = None
     combine_num_warps: int = 4
     combine_chunk_cap: int = 16
     dependent_launches: bool = False
-    chain_passes: bool = False
     early_combine: bool = False
 
     def __post_init__(self) -> None:
@@ -136,42 +116,44 @@ class ForestKernelConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        check_combine_shape(self.combine_dim_block, self.combine_num_warps, self.combine_chunk_cap)
+        dim_block = self.combine_dim_block
+        if dim_block is not None and (dim_block < 16 or dim_block & (dim_block - 1)):
+            raise ValueError(f"combine_dim_block must be a power of two >= 16 or None, got {dim_block}")
+        if self.combine_num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"combine_num_warps must be 1, 2, 4 or 8, got {self.combine_num_warps}")
+        if self.combine_chunk_cap < 1 or self.combine_chunk_cap & (self.combine_chunk_cap - 1):
+            raise ValueError(f"combine_chunk_cap must be a power of two >= 1, got {self.combine_chunk_cap}")
         if self.split_granularity < 1:
             raise ValueError(f"split_granularity must be >= 1, got {self.split_granularity}")
         if self.waves <= 0 or self.prefix_waves <= 0:
             raise ValueError(f"waves and prefix_waves must be > 0, got {self.waves} and {self.prefix_waves}")
 
 
-def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors: int) -> ForestKernelConfig:
-    """``plan_forest``'s config when none is given: a rule by batch size, from the H200 diagnoses of 2026-11-30/12-01.
+# ``plan_forest``'s rule when no config is given, measured on the H200 (RL-8x16 and one group of 16 x (8192 + 512)
+# tokens; the rounds and their numbers are in benchmarks/lab/TRIED_AND_REJECTED.md). Every batch merges with one-warp
+# combine programs over 64-dim slices, 8 partials at a time (combine 7.3 -> 4.8 us on 8 x 16), uses dependent
+# launches where the device has them (whole op 166.4 -> 165.6 us) and the early combine, with 64-token prefix tiles.
+_EVERY_BATCH = ForestKernelConfig(
+    prefix_block_n=64,
+    combine_dim_block=64,
+    combine_num_warps=1,
+    combine_chunk_cap=8,
+    dependent_launches=True,
+    early_combine=True,
+)
+# At most one (request, kv head) pair per multiprocessor: one wave of long items with 64x64 prefix tiles (34.4 us
+# against 40.8 us with 64x32 tiles). Larger batches: 64-token prefix tiles in a prefix pass of their own (8 x 16:
+# 161.0 us against 169.0 us in one launch, where the large prefix tiles cost the suffix items a third of their
+# slots), then the suffix pass on the same stream (round 17 A/B: 163.5-164.0 us against 166.2-166.8 us for the two
+# passes on two streams).
+_ONE_WAVE = replace(_EVERY_BATCH, prefix_waves=1.0, waves=1.0)
+_MANY_WAVES = replace(_EVERY_BATCH, split_passes=True)
 
-    A batch with at most one (request, kv head) pair per multiprocessor gets one wave of long items with 64x64
-    prefix tiles (``prefix_block_n=64``, ``prefix_waves = waves = 1``; "w1_p64" in the second diagnosis: 16 x (8192
-    + 512) kernels 34.4 us against 40.8 us for the first round's one-wave rule with 64x32 tiles); larger batches get
-    64-token prefix tiles in a prefix launch of their own on a side stream (8 groups x 16: 161.0 us against 167.0
-    for version 2; in one launch the 112 KB tiles cost the suffix items a third of their slots: 169.0 us). Both
-    merge with one-warp combine programs over 64-dim halves, 8 partials at a time ("v7_combine_c8_d64", 2026-12-01:
-    combine 7.3 -> 4.8 us for 8 x 16, 3.5 us for the single group, the best of seven combine shapes; round 3's
-    32-dim slices had taken it from 17.7 and 7.7 us) and use dependent launches where the device has them
-    ("v4_pdl", 2026-12-01: plan 16.1 -> 14.7 / 11.3 -> 9.7 us, whole op 166.4 -> 165.6 / 41.8 -> 40.6 us).
-    Both use the early combine, and larger batches chain their passes on one stream (prefix pass first) instead
-    of the side stream (round 17, A/B over three alternating rounds on 2026-12-02: single group kernels 30.5-30.7
-    against 31.3-31.5 us; 8 x 16 whole op 163.5-164.0 against 166.2-166.8 us, kernels 146.6-147.1 against
-    147.2-147.5). ``forest/NOTES.md``, "Version 3" to "Round 17 A/B"; ``benchmarks/results/fca_decode_diagnose*.json``.
-    """
-    if num_requests * num_kv_heads <= multiprocessors:
-        tiles = ForestKernelConfig(prefix_block_n=64, prefix_waves=1.0, waves=1.0)
-    else:
-        tiles = ForestKernelConfig(prefix_block_n=64, split_passes=True, chain_passes=True)
-    return replace(
-        tiles,
-        combine_dim_block=64,
-        combine_num_warps=1,
-        combine_chunk_cap=8,
-        dependent_launches=True,
-        early_combine=True,
-    )
+
+def default_forest_config(num_requests: int, num_kv_heads: int, multiprocessors: int) -> ForestKernelConfig:
+    """``plan_forest``'s config when none is given: one wave of long items for a batch with at most one
+    (request, kv head) pair per multiprocessor, split prefix and suffix passes for larger batches."""
+    return _ONE_WAVE if num_requests * num_kv_heads <= multiprocessors else _MANY_WAVES
 
 
 class ForestWorkspace:
