@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,22 @@ def test_goal_bounds_from_the_committed_main_benchmark(tmp_path: Path) -> None:
     assert suffix_512["bound_of_ideal"] < 0.85 and suffix_512["verdict"] == "beyond the best read rate"
     seven = next(row for row in result["rows"] if row["case"] == "rl8x16_adjacent" and "7x" in row["goal"])
     assert 7.0 < seven["bound_speedup"] < 7.5
+
+
+def test_every_results_and_docs_link_of_the_readmes_exists() -> None:
+    # A README row must stay backed by a kept file (deleted results live only in git history).
+    root = BENCHMARKS.parent
+    readmes = [root / "README.md", *sorted(root.glob("packages/*/README.md")), *sorted(root.glob("docs/*.md"))]
+    missing, checked = [], 0
+    for readme in readmes:
+        for target in re.findall(r"\]\(([^)#\s]+)\)", readme.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            if "benchmarks/" in target or target.endswith(".md") or "docs/" in target:
+                resolved = (readme.parent / target).resolve()
+                checked += 1
+                # The forest notes move out of the package into lab/ in a change of their own.
+                if not resolved.exists() and resolved != LAB / "forest_NOTES.md":
+                    missing.append(f"{readme.relative_to(root)} -> {target}")
+    assert not missing, missing
+    assert checked >= 20, checked
