@@ -1,5 +1,6 @@
-"""Sessions: ``tests`` (each package alone, CPU, Triton interpreted), ``lint``, ``typecheck``, ``lock_check``,
-``gpu_tests`` (the current interpreter, no virtualenv: for the offline H200 and GPU users) and ``bench``.
+"""Sessions: ``tests`` (each package alone, CPU, Triton interpreted), ``bench_checks`` (the benchmark scripts still
+run against the packages, CPU), ``lint``, ``typecheck``, ``lock_check``, ``gpu_tests`` (the current interpreter, no
+virtualenv: for the offline H200 and GPU users) and ``bench``.
 
 CPU machines without a CUDA torch get ``torch==2.13.0+cpu`` from a local wheel folder named by
 ``ARCTIC_TORCH_FIND_LINKS`` or ``PIP_FIND_LINKS``; versions are pinned by ``ci/constraints-cpu.txt`` there.
@@ -26,7 +27,7 @@ HEAVY_FRAMEWORKS = ["transformers", "vllm", "deepspeed", "ray"]
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "typecheck", "lock_check", "tests"]
+nox.options.sessions = ["lint", "typecheck", "lock_check", "tests", "bench_checks"]
 nox.options.error_on_missing_interpreters = True
 
 
@@ -98,6 +99,19 @@ def tests(session: nox.Session, package: str) -> None:
         *session.posargs,
         env=env,
     )
+
+
+@nox.session(python="3.11")
+def bench_checks(session: nox.Session) -> None:
+    """The tests of ``benchmarks/`` (not of any package): every script imports against the packages, the lab probes'
+    CPU dry runs match torch, the committed headline results are complete."""
+    local = {name: str(ROOT / "packages" / name) for name in PACKAGES}
+    _install(session, local["arctic-dedup"], local["arctic-zorro-train"], *TEST_TOOLS)
+    env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+    session.run(
+        "python", "-m", "pytest", str(ROOT / "benchmarks" / "tests"), "-q", "-p", "no:cacheprovider", *session.posargs,
+        env=env,
+    )  # fmt: skip
 
 
 @nox.session(python="3.11")

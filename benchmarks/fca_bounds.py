@@ -2,7 +2,7 @@
 
 Forest decode must read every unique KV byte of its batch at least once, so no implementation can run a case faster
 than ``unique bytes / R``, where ``R`` is the best read rate measured on the device: the per-request kernel streaming
-the no-sharing batch (4.56 GB of distinct pages, ~1 ms) in the same run. Each goal of ``../shared/docs/performance.md``
+the no-sharing batch (4.56 GB of distinct pages, ~1 ms) in the same run. Each goal of ``docs/performance.md``
 (and issue #4) fixes a time; this script turns it into the read rate the kernels would need, with the plan rebuilt
 every call (the strict "whole op") and once per step of ``layers_per_step`` layers (as the vLLM backend runs it), as
 a fraction of ``R``. Above 1 the goal is out of reach of any kernel on that device; the speedup goals compare with

@@ -1,8 +1,7 @@
 """Tree attention on one GPU: correctness of every backend, a Triton tile sweep, and useful TFLOP/s.
 
     python benchmarks/tree_attention.py [--out DIR] [--quick] [--budget-s SECONDS]
-    python benchmarks/tree_attention.py --bwd-sweep [--out DIR]     # backward variants only (about 3 minutes)
-    python benchmarks/tree_attention.py --compile-report            # no GPU: sm_90 registers of those variants
+    python benchmarks/tree_attention.py --sdpa-rule [--out DIR]     # sdpa vs Flex on many small trees and a trie
 
 Useful work (the FLOP formula every TFLOP/s number here uses): a visible (query, key) pair costs ``2 * D`` FLOPs
 for ``q.k`` and ``2 * D`` for ``p.v`` per query head, so
@@ -23,12 +22,6 @@ Sections (each guarded: an error is recorded in the JSON and the run goes on; a 
      plan and metadata build times as a fraction of the attention time;
   4. a long-prompt check: Triton against FlexAttention and against an exact fp32 computation of sampled rows.
 Writes ``<out>/tree_attention.json`` (after every section) and ``tree_attention.png``; prints a table last.
-
-``--bwd-sweep`` runs only the backward variants (``BACKWARD_VARIANTS``: tiles, stages and the launcher's backward
-options) at P=8192 G=16 R=512: each is first checked against FlexAttention's gradients (relative error below 1e-2,
-the bound the GPU tests hold Triton to against FlexAttention), then its backward alone is timed; writes
-``<out>/tree_attention_bwd_sweep.json``. ``--compile-report`` compiles the same variants for sm_90 without a device
-(Triton's bundled ptxas) and prints registers, spill bytes and shared memory.
 """
 
 from __future__ import annotations
@@ -51,19 +44,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import cuda_time_ms, default_out_dir, print_table, run_metadata, write_results
 
 from arctic_dedup import Plan, build_plan_from_layout
-from arctic_dedup.attention import _launch, tree_attention, tree_attention_reference
+from arctic_dedup.attention import tree_attention, tree_attention_reference
 from arctic_dedup.attention._launch import (
     TritonConfig,
     default_triton_config,
     launch_backward,
     launch_forward,
-    with_overrides,
 )
 from arctic_dedup.attention._tables import build_kernel_tables
-from arctic_dedup.attention.auto import TreeAttentionBackend
 from arctic_dedup.attention.function import triton_tree_attention
 from arctic_dedup.attention.sdpa import build_sdpa_calls
-from arctic_dedup.attention_meta import block_sparsity
 from arctic_dedup.layout import SampleLayout
 
 NAME = "tree_attention"
@@ -430,318 +420,6 @@ def section_sweep(run: Run, plan: Plan, base: TritonConfig) -> Configs:
     return Configs(best, best_atomic)
 
 
-# ---------------------------------------------------------------------------------------- backward variants sweep
-
-# (name, deterministic, launcher overrides of the default config). "det": the dK/dV kernel plus the dQ kernel (7
-# tile products); "atomic": dQ added by the dK/dV kernel with fp32 atomics (5 products). The options are described
-# on ``TritonConfig``; registers measured offline are in benchmarks/results/tree_attention_notes.md. Round 1 (commit
-# ef9cdf1, tree_attention_bwd_sweep.json) made atomic_m64 and det_m64 the defaults; round 2 below starts from them.
-BACKWARD_VARIANTS: list[tuple[str, bool, dict[str, int | bool]]] = [
-    # Most promising first: a tight time budget skips only the tail. The two defaults are the baselines.
-    ("atomic_m64", False, {}),
-    ("atomic_red", False, {"inline_red_dq": True}),
-    ("atomic_red_unsplit", False, {"inline_red_dq": True, "split_atomic_dq": False}),
-    ("atomic_dqT", False, {"transposed_atomic_dq": True}),
-    ("probe_store", False, {}),
-    ("det_m64", True, {}),
-    ("atomic_red_s3", False, {"inline_red_dq": True, "bwd_num_stages": 3}),
-    ("atomic_red_tma", False, {"inline_red_dq": True, "tma_loads": True}),
-    ("atomic_tma", False, {"tma_loads": True}),
-    ("det_m64_tma", True, {"tma_loads": True}),
-]
-# Timing probes, not candidates: the atomic adds of dQ become plain stores (dQ is wrong, dK and dV are right), so
-# their time minus the matching variant's is what the fp32 atomics cost. Never "best", never checked on dQ.
-PROBES = {"probe_store"}
-# Relative error of each gradient against FlexAttention's (both bf16): the bound test_gpu_long_prompt_32k uses.
-SWEEP_TOLERANCE = 1e-2
-
-
-def backward_variants(base: TritonConfig) -> list[tuple[str, TritonConfig, bool]]:
-    return [
-        (name, with_overrides(base, **overrides), deterministic) for name, deterministic, overrides in BACKWARD_VARIANTS
-    ]
-
-
-def _compiled_backward_kernels() -> dict[int, tuple[str, Any]]:
-    """Every compiled dK/dV and dQ kernel in Triton's in-process caches, by object id (registers come from there;
-    the cache layout is Triton's internal, so anything unexpected yields nothing)."""
-    from arctic_dedup.attention import _kernels
-
-    found: dict[int, tuple[str, Any]] = {}
-    for kernel in ("tree_attention_bwd_dkdv_kernel", "tree_attention_bwd_dq_kernel"):
-        caches = getattr(getattr(_kernels, kernel), "device_caches", {})
-        for cache in caches.values():
-            compiled = cache[0] if isinstance(cache, tuple) else cache
-            if isinstance(compiled, dict):
-                for value in compiled.values():
-                    found[id(value)] = (kernel.removeprefix("tree_attention_bwd_").removesuffix("_kernel"), value)
-    return found
-
-
-def _register_key(kernel: str, config: TritonConfig, deterministic: bool) -> tuple:
-    if kernel == "dq":
-        return ("dq", config.dq_block_m, config.dq_block_n, config.dq_num_warps, config.dq_num_stages,
-                config.fold_statistics)  # fmt: skip
-    forward_free = replace(config, block_m=0, block_n=0, num_warps=0, num_stages=0)
-    return ("dkdv", tuple(asdict(forward_free).items()), deterministic)
-
-
-def section_backward_sweep(
-    run: Run, plan: Plan, base: TritonConfig, reference_backend: TreeAttentionBackend = "flex"
-) -> None:
-    """Each backward variant: gradients against ``reference_backend``'s, then the backward alone (median ms)."""
-    import torch._functorch.config as functorch_config
-
-    # The reference backward is replayed with retain_graph=True; compiled FlexAttention's donated buffers forbid that.
-    functorch_config.donated_buffer = False
-    q, k, v = _inputs(plan, seed=29)
-    grad = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
-    scale = HEAD_DIM**-0.5
-    useful_bwd = 2.5 * 4 * HEAD_DIM * HEADS_Q * useful_pairs(plan)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    q_leaf, k_leaf, v_leaf = leaves
-    reference_out = tree_attention(q_leaf, k_leaf, v_leaf, plan, backend=reference_backend)
-    reference_grads = torch.autograd.grad(reference_out, leaves, grad, retain_graph=True)
-    reference_ms = cuda_time_ms(
-        lambda: torch.autograd.grad(reference_out, leaves, grad, retain_graph=True), warmup=3, repeats=10
-    )
-    triton_forward_ms = cuda_time_ms(
-        lambda: triton_tree_attention(q_leaf, k_leaf, v_leaf, plan, scale=scale, config=base), warmup=3, repeats=10
-    )
-    reference_forward_ms = cuda_time_ms(
-        lambda: tree_attention(q_leaf, k_leaf, v_leaf, plan, backend=reference_backend),
-        warmup=3,
-        repeats=10,
-    )
-    # The forward kernel alone (no autograd recording, no lse transpose): separates the launcher's cost from the
-    # kernel's when triton_fwd_ms moves between runs.
-    triton_forward_kernel_ms = cuda_time_ms(
-        lambda: launch_forward(q, k, v, plan, scale=scale, sliding_window=None, softcap=None, config=base),
-        warmup=3,
-        repeats=10,
-    )
-    run.summary.update(
-        {
-            "reference_backend": reference_backend,
-            "reference_bwd_ms": reference_ms,
-            "reference_fwd_ms": reference_forward_ms,
-            "triton_fwd_ms": triton_forward_ms,
-            "triton_fwd_kernel_ms": triton_forward_kernel_ms,
-            "triton_fwd_tiles": [base.block_m, base.block_n, base.num_warps, base.num_stages],
-            "tolerance": SWEEP_TOLERANCE,
-        }
-    )
-    print(f"{reference_backend}: fwd {reference_forward_ms:.2f} ms, bwd {reference_ms:.2f} ms; triton fwd "
-          f"{triton_forward_ms:.2f} ms", flush=True)  # fmt: skip
-    out, lse = launch_forward(q, k, v, plan, scale=scale, sliding_window=None, softcap=None, config=base)
-    registers: dict[tuple, tuple[int | None, int | None]] = {}
-
-    def backward(config: TritonConfig, deterministic: bool) -> tuple[torch.Tensor, ...]:
-        return launch_backward(
-            grad, q, k, v, out, lse, None, plan, scale=scale, sliding_window=None, softcap=None, config=config,
-            deterministic=deterministic,
-        )  # fmt: skip
-
-    def measure(name: str, config: TritonConfig, deterministic: bool) -> None:
-        probe = name in PROBES
-        _launch.dq_store_probe = probe
-        try:
-            _measure(name, config, deterministic, probe)
-        finally:
-            _launch.dq_store_probe = False
-
-    def _measure(name: str, config: TritonConfig, deterministic: bool, probe: bool) -> None:
-        before = _compiled_backward_kernels()
-        grads = backward(config, deterministic)
-        torch.cuda.synchronize()
-        for key, (kernel, compiled) in _compiled_backward_kernels().items():
-            if key not in before:
-                regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
-                registers[_register_key(kernel, config, deterministic)] = (regs, spills)
-        errors = {
-            f"{label}_rel_error": _relative_error(got, want)
-            for label, got, want in zip(("dq", "dk", "dv"), grads, reference_grads)
-        }
-        if probe:
-            del errors["dq_rel_error"]  # dQ is deliberately wrong in a probe
-        finite = all(bool(torch.isfinite(t).all()) for t in grads)
-        del grads
-        milliseconds = cuda_time_ms(lambda: backward(config, deterministic), warmup=3, repeats=10)
-        kernels = _kernel_breakdown_ms(lambda: backward(config, deterministic))
-        dkdv = registers.get(_register_key("dkdv", config, deterministic), (None, None))
-        dq = registers.get(_register_key("dq", config, deterministic), (None, None)) if deterministic else (None, None)
-        run.rows.append(
-            {
-                "section": "bwd_sweep",
-                "variant": name,
-                "deterministic": deterministic,
-                "probe": probe,
-                "config": asdict(config),
-                "passed": finite and all(error < SWEEP_TOLERANCE for error in errors.values()),
-                **errors,
-                "dkdv_regs": dkdv[0],
-                "dkdv_spills": dkdv[1],
-                "dq_regs": dq[0],
-                "dq_spills": dq[1],
-                "bwd_ms": milliseconds,
-                "kernel_ms": kernels,
-                "useful_tflops": useful_bwd / milliseconds / 1e9,
-                "vs_reference": reference_ms / milliseconds,
-                "fwd_bwd_estimate_vs_reference": (reference_forward_ms + reference_ms)
-                / (triton_forward_ms + milliseconds),
-            }
-        )
-        print_table([run.rows[-1]], SWEEP_COLUMNS)
-        run.save()
-
-    for name, config, deterministic in backward_variants(base):
-        run.attempt(f"bwd sweep {name}", functools.partial(measure, name, config, deterministic), need_s=12)
-    rows = [row for row in run.rows if row.get("section") == "bwd_sweep"]
-    passed = [row for row in rows if row["passed"] and not row["probe"]]
-    for label, candidates in (
-        ("best", passed),
-        ("best_deterministic", [row for row in passed if row["deterministic"]]),
-    ):
-        if candidates:
-            best = min(candidates, key=lambda row: row["bwd_ms"])
-            run.summary[f"{label}_variant"] = best["variant"]
-            run.summary[f"{label}_bwd_ms"] = best["bwd_ms"]
-            run.summary[f"{label}_vs_reference_bwd"] = best["vs_reference"]
-            run.summary[f"{label}_fwd_bwd_estimate_vs_reference"] = best["fwd_bwd_estimate_vs_reference"]
-    run.summary["all_passed"] = bool(rows) and all(row["passed"] for row in rows)
-    run.save()
-    print_table(rows, SWEEP_COLUMNS)
-    print({key: value for key, value in run.summary.items() if key.startswith(("best", "reference", "triton"))})
-
-
-def _kernel_breakdown_ms(fn: Callable[[], Any], repeats: int = 3) -> dict[str, float] | None:
-    """Mean GPU milliseconds per call of each kernel ``fn`` launches (torch.profiler), keyed by kernel name
-    (Triton kernels by their function name, everything else summed as ``other``); None if the profiler fails."""
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-            for _ in range(repeats):
-                fn()
-            torch.cuda.synchronize()
-        totals: dict[str, float] = {}
-        for event in profiler.key_averages():
-            if event.device_type != DeviceType.CUDA:
-                continue
-            name = event.key if event.key.startswith("tree_attention_") else "other"
-            totals[name] = totals.get(name, 0.0) + event.device_time_total / 1e3 / repeats
-        return totals
-    except Exception as error:  # the breakdown is an extra: never lose a variant's row to it
-        print(f"[warn] kernel breakdown: {type(error).__name__}: {error}", flush=True)
-        return None
-
-
-SWEEP_COLUMNS = [
-    "variant", "passed", "dkdv_regs", "dkdv_spills", "dq_regs", "bwd_ms", "useful_tflops", "vs_reference",
-    "fwd_bwd_estimate_vs_reference", "dq_rel_error", "dk_rel_error",
-]  # fmt: skip
-
-
-def compile_report() -> None:
-    """Compile every backward variant's kernels for sm_90 without a device and print registers, spill bytes and
-    shared memory (needs only Triton with its NVIDIA backend; ptxas ships with it)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from arctic_dedup.attention import _kernels
-
-    global DEVICE
-    DEVICE = "cpu"
-    plan = build_plan_from_layout(_layout([8192], [[512] * 16], seed=2))
-    tokens = plan.num_packed_tokens
-    q = torch.empty(tokens, HEADS_Q, HEAD_DIM, dtype=torch.bfloat16)
-    k = torch.empty(tokens, HEADS_KV, HEAD_DIM, dtype=torch.bfloat16)
-    lse = torch.empty(HEADS_Q, tokens)
-    pointer_types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-
-    def compile_launch(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages")}
-        values = {**dict(zip(kernel.arg_names, args)), **kwargs}
-        signature, constants, attributes = {}, {}, {}
-        for index, name in enumerate(kernel.arg_names):
-            value = values[name]
-            if kernel.params[index].is_constexpr or value is None:
-                signature[name], constants[name] = "constexpr", value
-            elif isinstance(value, TensorDescriptor):
-                element = pointer_types[value.base.dtype].removeprefix("*")
-                signature[name] = f"tensordesc<{element}[{', '.join(str(n) for n in value.block_shape)}]>"
-            elif isinstance(value, torch.Tensor):
-                signature[name], attributes[(index,)] = pointer_types[value.dtype], [["tt.divisibility", 16]]
-            elif isinstance(value, float):
-                signature[name] = "fp32"
-            else:
-                signature[name] = "i32"
-                if value and value % 16 == 0:
-                    attributes[(index,)] = [["tt.divisibility", 16]]
-        source = ASTSource(kernel, signature, constants, attributes)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        with tempfile.TemporaryDirectory() as folder:
-            ptx = Path(folder) / "kernel.ptx"
-            ptx.write_text(compiled.asm["ptx"])
-            command = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull]
-            log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
-        used = re.search(r"Used (\d+) registers", log)
-        spilled = re.search(r"(\d+) bytes spill stores", log)
-        return {
-            "regs": int(used.group(1)) if used else None,
-            "spill_bytes": int(spilled.group(1)) if spilled else None,
-            "smem_kb": round(compiled.metadata.shared / 1024),
-            "mma_sync": "mma.sync" in compiled.asm["ptx"],
-        }
-
-    class Recorder:
-        def __init__(self, kernel: Any, log: list) -> None:
-            self.kernel, self.log = kernel, log
-
-        def __getitem__(self, grid: Any) -> Callable[..., None]:
-            return lambda *args, **kwargs: self.log.append((self.kernel, args, kwargs))
-
-    rows = []
-    base = default_triton_config(HEAD_DIM, torch.device("cuda"))
-    for name, config, deterministic in backward_variants(base):
-        launches: list[tuple[Any, tuple, dict[str, Any]]] = []
-        names = (
-            "tree_attention_bwd_preprocess_kernel",
-            "tree_attention_bwd_dkdv_kernel",
-            "tree_attention_bwd_dq_kernel",
-        )
-        originals = {kernel: getattr(_kernels, kernel) for kernel in names}
-        for kernel, original in originals.items():
-            setattr(_kernels, kernel, Recorder(original, launches))
-        _launch.dq_store_probe = name in PROBES
-        try:
-            launch_backward(q, q, k, k, q, lse, None, plan, scale=HEAD_DIM**-0.5, sliding_window=None, softcap=None,
-                            config=config, deterministic=deterministic)  # fmt: skip
-        finally:
-            _launch.dq_store_probe = False
-            for kernel, original in originals.items():
-                setattr(_kernels, kernel, original)
-        row: dict[str, Any] = {"variant": name}
-        for kernel, args, kwargs in launches:
-            label = kernel.__name__.removeprefix("tree_attention_bwd_").removesuffix("_kernel")
-            if label != "preprocess":
-                for key, value in compile_launch(kernel, args, dict(kwargs)).items():
-                    row[f"{label}_{key}"] = value
-        rows.append(row)
-        print_table([row], list(row))
-    columns = ["variant", "dkdv_regs", "dkdv_spill_bytes", "dkdv_smem_kb", "dkdv_mma_sync", "dq_regs", "dq_smem_kb"]
-    print_table(rows, columns)
-
-
 # ----------------------------------------------------------------------------------------------------- performance
 
 
@@ -825,7 +503,6 @@ def _metadata_times(layout: SampleLayout, plan: Plan, config: TritonConfig) -> d
 
     return {
         "plan_build_ms": host_ms(lambda: build_plan_from_layout(layout)),
-        "block_sparsity_ms": host_ms(lambda: block_sparsity(plan.kv_visible_until, 128, 128)),
         "triton_tables_ms": host_ms(triton_tables),
         "sdpa_trees_ms": host_ms(sdpa_trees),
     }
@@ -875,7 +552,7 @@ def _metadata_row(run: Run, base: dict[str, Any], layout: SampleLayout, plan: Pl
     fraction = {}
     if attention:
         attention_ms = attention[-1]["fwd_bwd_ms"]
-        metadata_ms = times["block_sparsity_ms"] + times["triton_tables_ms"]
+        metadata_ms = times["triton_tables_ms"]
         # The plan and its metadata are built once per micro-batch and read by every attention layer.
         fraction = {
             "metadata_fraction_of_one_layer": metadata_ms / attention_ms,
@@ -1044,15 +721,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=default_out_dir())
     parser.add_argument("--quick", action="store_true", help="correctness and the first shape only (for gpu_tests)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new work after this long")
-    parser.add_argument("--bwd-sweep", action="store_true", help="only the backward variants (about 3 minutes)")
-    parser.add_argument("--compile-report", action="store_true", help="no GPU: sm_90 registers of the variants")
     parser.add_argument(
         "--sdpa-rule", action="store_true", help="only sdpa vs Flex on many-tree and trie shapes (about 3 minutes)"
     )
     args = parser.parse_args()
-    if args.compile_report:
-        compile_report()
-        return
     if not torch.cuda.is_available():
         print("tree_attention: needs a CUDA GPU; nothing measured.")
         return
@@ -1066,15 +738,6 @@ def main() -> None:
             rows, ["shape", "tokens_per_tree", "backend", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_useful_tflops"]
         )
         print(rule_run.summary.get("sdpa_vs_flex_fwdbwd"), f"errors: {len(rule_run.errors)}")
-        return
-    if args.bwd_sweep:
-        # Under four minutes in all: no new variant starts after 225 s (each takes about 10-15 s with compilation).
-        sweep_run = Run(args.out, min(args.budget_s, 225.0), name=f"{NAME}_bwd_sweep")
-        layout = performance_layouts(quick=True)["P8192_G16_R512"]
-        base = default_triton_config(HEAD_DIM, torch.device(DEVICE))
-        sweep_run.attempt("bwd sweep", lambda: section_backward_sweep(sweep_run, build_plan_from_layout(layout), base))
-        sweep_run.save()
-        print(f"errors: {len(sweep_run.errors)} (see {sweep_run.out_dir / (sweep_run.name + '.json')})")
         return
     run = Run(args.out, args.budget_s)
     run.summary["flop_formula"] = FORMULA

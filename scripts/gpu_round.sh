@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the lent H200 (../shared/docs/gpu.md), stage by stage, each under its own time limit, results
+# One device call on a GPU box without internet, stage by stage, each under its own time limit, results
 # under $OUT/r and packed into $OUT/results.tar.gz (the device tool brings back at most a few files).
 # The device has no .git: pass the commit of the (clean) tree that travels.
 #
@@ -32,36 +32,27 @@
 #   tree-attention the tree-attention benchmark (all backends, three shapes)  (~4 min)
 #   tree-quick     its correctness section and the first shape            (~2 min)
 #   tree-sdpa-rule sdpa vs Flex on many small trees, 4K-token trees and a trie (auto's rule)  (~3 min)
-#   tree-sweep     tree-attention backward variants                      (~2 min)
 #   fca-decode     the forest decode benchmark                           (~3 min)
-#   fca-diagnose   forest decode diagnosis (ARCTIC_FCA_ONLY=v5_default,...: only those variants;
 #                  ARCTIC_FCA_CASES=single_group_16x8704,...: those cases; ARCTIC_FCA_ROUNDS=3: the variant
 #                  list three times over, alternating; ARCTIC_FCA_BUDGET_S / ARCTIC_FCA_LIMIT_S: the diagnosis's
 #                  --budget-s (default 170) and the stage's limit (default 240 s))  (~3 min)
-#   fca-loop-probe the forest inner loop alone with its page ids from the table (one step ahead / 64 at a
 #                  time), computed, or contiguous (fca_loop_probe.json)  (~1-2 min)
-#   fca-loop-sweep the same loop, one program per SM, tokens per item swept: fixed vs per-step cost (~1 min)
-#   fca-suffix-ids the 16-row suffix loop by page-id source (table, hashed, contiguous, chunk gather), tile and
 #                  stages, one and four programs per SM (fca_loop_probe_suffix_ids.json)  (~1 min)
-#   fca-flat-probe the same loop laid flat across work items (fixed grids, partials merged) against one program per
 #                  item, and a read-only kernel's ceiling (fca_flat_probe.json)  (~1 min)
-#   fca-timeline   every attention and combine program's start, end and SM for the single group, RL-8x16 and no
 #                  sharing (fca_timeline.json, fca_timeline.png)  (~1 min)
-#   fca-paged-order  no sharing: the per-request kernel with a fixed vs a rebuilt plan, alternating, with and
 #                  without dependent launches, clocks and power logged (fca_decode_paged_order.json)  (~1 min)
 #   forest-tests   the forest decode GPU tests alone                     (~1-2 min)
-#   fca-ncu        RL-8x16's prefix pass, suffix pass and per-request kernel alone: timed, then under Nsight Compute
 #                  (throughput, memory, warp stalls, occupancy; fca_ncu.log)  (~2 min)
-#   fca-ncu-single the single group's attention launch and its per-request kernel under Nsight Compute
 #                  (fca_ncu_single.log)  (~1 min)
-#   fca-ws-probe   a warp-specialized TMA loop over the single group's prefix against the forest prefix pass
 #                  (fca_ws_probe.json)  (~1 min)
-#   fca-ncu-plan   the planner's launches for RL-8x16 and the single group under Nsight Compute (each kernel's
 #                  duration; fca_ncu_plan.log)  (~1 min)
 #   fused-kernels  the hybrid's fused norms and conv against transformers' torch code  (~1 min)
 #   kernel-tests   the GPU tests of the fused kernels (norms, conv, SwiGLU, log-prob chunk, fused hybrids)  (~1 min)
 #   dense-tests    the dense bf16 gradient tests of arctic-zorro-train (every tree-attention backend)  (~1 min)
 #   pack-unpack    pack/unpack bandwidth sweep                           (~1 min)
+#   fca-quick      the forest decode benchmark without its tuning sweep   (~1.5 min)
+#   headline       the README's headline rows again: python benchmarks/run.py --quick (pack/unpack, tree attention
+#                  quick, forest decode quick, ZoRRO dense, fused kernels; each benchmark's JSON + PNG)  (~8 min)
 # The exit status is that of the last stage that failed (0 when all succeeded).
 set -uo pipefail
 out="${OUT:-benchmarks/results}/r"
@@ -116,50 +107,21 @@ for stage in "$@"; do
     zorro-sweep) run zorro_sweep 330 "${zorro[@]}" --sections sweep --sweep-prompts ${ARCTIC_SWEEP_PROMPTS:-2048 8192} ;;
     zorro-sweep-ends) run zorro_sweep_ends 330 "${zorro[@]}" --sections sweep --sweep-prompts 512 32768 ;;
     zorro-memory) run zorro_memory 420 "${zorro[@]}" --sections memory --dedup-backends sdpa ;;
-    zorro-profile) run zorro_profile 200 python3 benchmarks/zorro_profile.py --out "$out" ;;
-    zorro-profile-hybrid) run zorro_profile_hybrid "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py --model hybrid --backend sdpa \
+    zorro-profile) run zorro_profile 200 python3 benchmarks/lab/zorro_profile.py --out "$out" ;;
+    zorro-profile-hybrid) run zorro_profile_hybrid "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/lab/zorro_profile.py --model hybrid --backend sdpa \
       --time-despite-fla-640 --baseline-samples 1 --out "$out" ;;
-    zorro-profile-hybrid-torch) run zorro_profile_hybrid_torch "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py \
+    zorro-profile-hybrid-torch) run zorro_profile_hybrid_torch "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/lab/zorro_profile.py \
       --model hybrid --backend sdpa --fused-kernels never --time-despite-fla-640 --baseline-samples 1 --out "$out" ;;
-    zorro-profile-hybrid-nr) run zorro_profile_hybrid_nr "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/zorro_profile.py \
+    zorro-profile-hybrid-nr) run zorro_profile_hybrid_nr "${ARCTIC_PROFILE_S:-300}" python3 benchmarks/lab/zorro_profile.py \
       --model hybrid --backend sdpa --recompute none --top 80 --time-despite-fla-640 --baseline-samples 2 --out "$out" ;;
-    bf16-noise-hybrid) run bf16_noise_hybrid 300 python3 benchmarks/zorro_bf16_noise.py --family qwen3_5 \
+    bf16-noise-hybrid) run bf16_noise_hybrid 300 python3 benchmarks/lab/zorro_bf16_noise.py --family qwen3_5 \
       --seeds 0 1 2 --out "$out" ;;
     tree-attention) run tree_attention 300 python3 benchmarks/tree_attention.py --out "$out" ;;
     tree-quick) run tree_quick 200 python3 benchmarks/tree_attention.py --quick --budget-s 170 --out "$out" ;;
     tree-sdpa-rule) run tree_sdpa_rule 240 python3 benchmarks/tree_attention.py --sdpa-rule --out "$out" ;;
     fca-decode) run fca_decode 240 python3 benchmarks/fca_decode.py --out "$out" ;;
-    tree-sweep) run tree_sweep 240 python3 benchmarks/tree_attention.py --bwd-sweep --out "$out" ;;
-    fca-diagnose) run fca_diagnose "${ARCTIC_FCA_LIMIT_S:-240}" python3 benchmarks/fca_decode.py --diagnose --out "$out" \
-      ${ARCTIC_FCA_ONLY:+--only "$ARCTIC_FCA_ONLY"} ${ARCTIC_FCA_CASES:+--cases "$ARCTIC_FCA_CASES"} \
-      ${ARCTIC_FCA_ROUNDS:+--rounds "$ARCTIC_FCA_ROUNDS"} ${ARCTIC_FCA_BUDGET_S:+--budget-s "$ARCTIC_FCA_BUDGET_S"} ;;
-    fca-loop-probe) run fca_loop_probe 200 python3 benchmarks/fca_loop_probe.py --out "$out" ;;
-    fca-loop-sweep) run fca_loop_sweep 200 python3 benchmarks/fca_loop_probe.py --sweep --out "$out" ;;
-    fca-suffix-ids) run fca_suffix_ids 200 python3 benchmarks/fca_loop_probe.py --suffix-ids --out "$out" ;;
-    fca-flat-probe) run fca_flat_probe 200 python3 benchmarks/fca_flat_probe.py --out "$out" ;;
-    fca-timeline) run fca_timeline 200 python3 benchmarks/fca_timeline.py --out "$out" ;;
-    fca-paged-order) run fca_paged_order 150 python3 benchmarks/fca_decode.py --paged-order --out "$out" ;;
     forest-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run forest_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-dedup/tests/forest/test_forest_gpu.py ;;
-    fca-ncu) run fca_passes 120 python3 benchmarks/fca_ncu.py --rounds 5
-      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
-      run fca_ncu 240 "$ncu_bin" --clock-control none -k regex:forest_attention_kernel --launch-skip 3 \
-        --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy --section SchedulerStats --section LaunchStats \
-        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-        python3 benchmarks/fca_ncu.py --rounds 1 ;;
-    fca-ws-probe) run fca_ws_probe 150 python3 benchmarks/fca_ws_probe.py --out "$out" ;;
-    fca-ncu-single)
-      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
-      run fca_ncu_single 150 "$ncu_bin" --clock-control none -k regex:forest_attention_kernel --launch-skip 2 \
-        --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy --section SchedulerStats --section LaunchStats \
-        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-        python3 benchmarks/fca_ncu.py --single-group --rounds 1 ;;
-    fca-ncu-plan)
-      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
-      run fca_ncu_plan 150 "$ncu_bin" --clock-control none -k regex:plan_ --section SpeedOfLight --section LaunchStats \
-        --section Occupancy python3 benchmarks/fca_ncu.py --plans --rounds 1 ;;
     fused-kernels) run fused_kernels 150 python3 benchmarks/fused_kernels.py --out "$out" ;;
     kernel-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run kernel_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_fused_norms.py \
@@ -167,6 +129,8 @@ for stage in "$@"; do
       packages/arctic-zorro-train/tests/test_fused_model.py packages/arctic-zorro-train/tests/test_fused_logprobs.py ;;
     dense-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run dense_tests 240 python3 -m pytest -q -m gpu -k dense \
       -p no:cacheprovider -rs packages/arctic-zorro-train/tests/test_gpu.py ;;
+    fca-quick) run fca_quick 150 python3 benchmarks/fca_decode.py --quick --out "$out" ;;
+    headline) run headline 590 python3 benchmarks/run.py --quick --out "$out" ;;
     pack-unpack) run pack_unpack 150 python3 benchmarks/pack_unpack.py --out "$out" ;;
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
   esac

@@ -9,8 +9,8 @@ With ``--model hybrid`` it profiles the Qwen3.5-like hybrid instead (full recomp
 baseline is the packed path without sharing, as in zorro_train.py), with the Gated DeltaNet kernels as a category
 of their own.
 
-Run on the H200:  python benchmarks/zorro_profile.py --out "$OUT"   (about a minute)
-                  python benchmarks/zorro_profile.py --model hybrid --time-despite-fla-640 --out "$OUT"
+Run on the H200:  python benchmarks/lab/zorro_profile.py --out "$OUT"   (about a minute)
+                  python benchmarks/lab/zorro_profile.py --model hybrid --time-despite-fla-640 --out "$OUT"
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The lab imports the shared harness and the main benchmarks from benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import default_out_dir, run_metadata
 from zorro_train import (

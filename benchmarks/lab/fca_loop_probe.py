@@ -1,8 +1,8 @@
 """Where a paged attention loop's time goes: the forest decode inner loop alone, with its page ids from four sources.
 
 Every forest pass measured so far streams about one K/V tile per program every ~2 us whatever the tile size (64x64
-prefix tiles at 2 programs per SM, 16x32 suffix tiles at 4 per SM; ``forest/NOTES.md``, round 9), well under the
-copy rate in the single group's one wave. One hypothesis is the page id chain: each step's K/V addresses come from a
+prefix tiles at 2 programs per SM, 16x32 suffix tiles at 4 per SM; ``lab/forest_NOTES.md``, round 9), well under
+the copy rate in the single group's one wave. One hypothesis is the page id chain: each step's K/V addresses come from a
 block-table load issued the step before, so a step cannot be shorter than that load's round trip. This probe runs
 the loop of ``_attend_block`` (online softmax over paged K/V, tensor-core dots) on the same scattered pages with:
 
@@ -18,8 +18,8 @@ pass (64 rows, 64-token steps, 16 splits x 8 heads of 512 tokens), RL-8x16's (25
 suffix pass (16 rows, 32-token steps, 1024 programs of 512 tokens). Each call reads a different copy of the cache
 (4 copies, more than L2). Prints TB/s of K/V read per shape and id source; writes fca_loop_probe.json.
 
-    python benchmarks/fca_loop_probe.py            (H200, about 30 s)
-    python benchmarks/fca_loop_probe.py --smoke    (CPU, Triton interpreter: checks every mode against torch)
+    python benchmarks/lab/fca_loop_probe.py            (H200, about 30 s)
+    python benchmarks/lab/fca_loop_probe.py --smoke    (CPU, Triton interpreter: checks every mode against torch)
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+# The lab imports the shared harness and the main benchmarks from benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out_dir, print_table, write_results
 from fca_decode import _graph_time_us

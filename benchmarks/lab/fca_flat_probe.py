@@ -15,8 +15,8 @@ in two forms over the same caches:
 And ``read ceiling``: a Triton kernel that only reads a contiguous 2 GiB buffer (a sum), the most any read-only
 kernel can stream here (the copy rate counts reads and writes, so a read-only kernel can beat it).
 
-    python benchmarks/fca_flat_probe.py            (H200, about 30 s; writes fca_flat_probe.json)
-    python benchmarks/fca_flat_probe.py --smoke    (CPU, Triton interpreter: both forms checked against torch)
+    python benchmarks/lab/fca_flat_probe.py            (H200, about 30 s; writes fca_flat_probe.json)
+    python benchmarks/lab/fca_flat_probe.py --smoke    (CPU, Triton interpreter: both forms checked against torch)
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+# The lab imports the shared harness and the main benchmarks from benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_gbps, default_out_dir, print_table, write_results
 from fca_decode import _graph_time_us

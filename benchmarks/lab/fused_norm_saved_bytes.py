@@ -2,7 +2,7 @@
 Counted with saved-tensor hooks (each distinct tensor once), so the count is the same on any device; on CPU the
 kernels run through Triton's interpreter.
 
-    TRITON_INTERPRET=1 python benchmarks/fused_norm_saved_bytes.py    (writes fused_norm_saved_bytes.json)
+    TRITON_INTERPRET=1 python benchmarks/lab/fused_norm_saved_bytes.py    (writes fused_norm_saved_bytes.json)
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The lab imports the shared harness from benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import default_out_dir, print_table, write_results
 
