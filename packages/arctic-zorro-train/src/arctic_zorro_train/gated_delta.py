@@ -347,7 +347,7 @@ def _torch_chunk_rule_for(module: Any) -> Callable[..., tuple[torch.Tensor, torc
     if rule is None:
         raise RuntimeError(
             f"{type(module).__module__} has no `torch_chunk_gated_delta_rule`; this transformers version is not "
-            "supported by arctic-zorro-train's Gated DeltaNet path (tested with transformers 5.17-5.19)."
+            "supported by arctic-zorro-train's Gated DeltaNet path (tested with transformers 5.17-5.25)."
         )
     # transformers wraps this function so that it calls fla when fla is importable
     # (``use_kernel_func_from_hub_with_fallback``); the torch kernel is the wrapped function.

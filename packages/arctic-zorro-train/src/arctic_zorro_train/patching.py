@@ -35,6 +35,7 @@ from arctic_zorro_train.fused import (
 )
 from arctic_zorro_train.gated_delta import gated_delta_tree_forward
 from arctic_zorro_train.settings import ZorroSettings
+from arctic_zorro_train.versions import check_transformers_version
 
 __all__ = [
     "QwenAttentionPatcher",
@@ -136,20 +137,19 @@ def _layer_patch(module: nn.Module) -> ZorroPatch:
     return module.__dict__[LAYER_PATCH_ATTRIBUTE]  # type: ignore[no-any-return]
 
 
-def _gated_delta_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    cache_params: Any = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
+def _gated_delta_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A Gated DeltaNet layer's forward under the patch (bound to the layer): the tree path inside a zorro context,
-    the layer's own forward otherwise."""
+    the layer's own forward otherwise. Arguments other than the context go to the original forward as the caller
+    passed them: transformers 5.25 renamed the cache argument ``cache_params`` to ``cache`` (and warns on the old
+    name), so the patch must not rename it."""
     context: ZorroContext | None = kwargs.pop(CONTEXT_KWARG, None)
     if context is None:
         original: Any = type(self).forward
-        return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)  # type: ignore[no-any-return]
-    if cache_params is not None or context.gated_delta is None:
+        return original(self, hidden_states, *args, **kwargs)  # type: ignore[no-any-return]
+    has_cache = any(value is not None for value in args[:1]) or any(
+        kwargs.get(name) is not None for name in ("cache", "cache_params")
+    )
+    if has_cache or context.gated_delta is None:
         raise ZorroPatchError(
             "a Gated DeltaNet layer got a zorro context without a schedule or with a cache; deduplicated runs "
             "are training/log-prob forwards with use_cache=False."
@@ -243,6 +243,7 @@ def apply_zorro(
     settings: ZorroSettings | None = None,
     patch_forward: bool = True,
     attn_implementation: str | None = None,
+    allow_untested_transformers: bool | None = None,
     **setting_overrides: Any,
 ) -> ZorroPatch:
     """Patch ``model`` for deduplicated training. Idempotent: on a patched model it updates the settings.
@@ -253,11 +254,15 @@ def apply_zorro(
             ``response_length=512``, ...) apply on top.
         patch_forward: also replace ``model.forward`` by the deduplicated forward (``zorro_model_forward``).
         attn_implementation: what attention layers fall back to without a zorro context (default: as loaded).
+        allow_untested_transformers: patch under a transformers outside the tested range (default: the
+            ``ARCTIC_ZORRO_ALLOW_UNTESTED_TRANSFORMERS=1`` environment variable); see ``versions.py``.
 
     Raises:
         UnsupportedModelError: the architecture has no table (the message lists the supported ones).
+        ZorroPatchError: transformers is outside the tested range and the user did not opt in.
     """
     architecture = resolve_architecture(model)
+    check_transformers_version(allow_untested_transformers)
     settings = replace(settings or ZorroSettings(), **setting_overrides)
     if is_patched(model):
         patch = get_patch(model)
@@ -283,7 +288,7 @@ def apply_zorro(
     if not patchers and not linear_attention:
         raise ZorroPatchError(
             f"found no attention module of {architecture.attention_classes} in {type(model).__name__}; this "
-            "transformers version may have renamed them (tested with transformers 5.17-5.19)."
+            "transformers version may have renamed them (tested with transformers 5.17-5.25)."
         )
     patch = ZorroPatch(
         model=model,
