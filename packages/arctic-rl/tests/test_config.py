@@ -1,4 +1,5 @@
 import json
+import math
 import pickle
 from typing import Any
 
@@ -247,3 +248,26 @@ def test_model_dump_json_round_trips(config: ArcticRLClientConfig) -> None:
     assert restored.model_dump_json() == dumped
     assert ArcticRLClientConfig.model_validate(json.loads(dumped)) == config
     assert pickle.loads(pickle.dumps(config)) == config
+
+
+def test_lr_schedules_by_hand() -> None:
+    constant = TrainingConfig(lr=1.0, warmup_steps=4)
+    assert [constant.lr_multiplier(step) for step in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    linear = TrainingConfig(lr_schedule="linear", warmup_steps=2, total_steps=6, min_lr_ratio=0.2)
+    # After warmup, progress = (step - 2) / 4.
+    assert [linear.lr_multiplier(step) for step in range(8)] == pytest.approx([0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
+    cosine = TrainingConfig(lr_schedule="cosine", total_steps=4, min_lr_ratio=0.1)
+    expected = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / 4)) for step in range(4)] + [0.1, 0.1]
+    assert [cosine.lr_multiplier(step) for step in range(6)] == pytest.approx(expected)
+    assert TrainingConfig(lr_schedule="linear", warmup_steps=3, total_steps=3).lr_multiplier(3) == 0.0
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        constant.lr_multiplier(-1)
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear.lr_multiplier)
+    seen = []
+    for _ in range(4):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.25, 0.5, 0.5, 0.4])

@@ -1,9 +1,12 @@
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from arctic_rl.errors import ConfigError
 from arctic_rl.losses import (
@@ -390,3 +393,26 @@ def test_advantages_of_shape_b_broadcast() -> None:
     per_token, _ = run("grpo", {})
     per_sample, _ = run("grpo", {}, advantages=torch.tensor([1.0], dtype=torch.float64))
     assert per_sample.loss.item() == per_token.loss.item()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(0, 10**6),
+    st.permutations(list(range(7))),
+    st.lists(st.integers(1, 6), min_size=1, max_size=6),
+    st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]),
+    st.sampled_from(["grpo", "gspo"]),
+)
+def test_any_split_gives_the_same_loss_and_gradient(
+    seed: int, order: list[int], cuts: list[int], mode: str, name: str
+) -> None:
+    step = random_step(seed=seed)
+    config = {**FULL_OPTIONS, "loss_agg_mode": mode}
+    whole, whole_metrics, whole_grad, whole_entropy_grad = loss_and_grads(name, config, step, [list(range(7))])
+    boundaries = sorted({0, 7, *(cut for cut in cuts if cut < 7)})
+    parts = [order[start:end] for start, end in itertools.pairwise(boundaries)]
+    split, split_metrics, split_grad, split_entropy_grad = loss_and_grads(name, config, step, parts)
+    assert split == pytest.approx(whole, rel=1e-12, abs=1e-12)
+    assert split_metrics == pytest.approx(whole_metrics, rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(split_grad, whole_grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(split_entropy_grad, whole_entropy_grad, rtol=1e-12, atol=1e-14)

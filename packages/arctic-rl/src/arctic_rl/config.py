@@ -8,6 +8,7 @@ with a message saying how to fix it, before any Ray actor or engine starts.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 import torch
@@ -111,6 +112,27 @@ class TrainingConfig(_Section):
                 "lower warmup_steps or raise total_steps."
             )
         return self
+
+    def lr_multiplier(self, step: int) -> float:
+        """The schedule's factor on ``lr`` for the optimizer step ``step`` (0 = the first step).
+
+        Warmup rises linearly over ``warmup_steps`` steps, ``(step + 1) / warmup_steps``, so the first step already
+        moves the weights and the last warmup step uses the full ``lr``. After warmup, with ``progress`` running from
+        0 to 1 over the remaining ``total_steps - warmup_steps`` steps (1 from then on): 'constant' gives 1,
+        'linear' ``1 - (1 - min_lr_ratio) * progress``, 'cosine' ``min_lr_ratio + (1 - min_lr_ratio) *
+        (1 + cos(pi * progress)) / 2``. Use it as ``torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier)``.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}.")
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant" or self.total_steps is None:
+            return 1.0
+        decay_steps = self.total_steps - self.warmup_steps
+        progress = 1.0 if decay_steps <= 0 else min(1.0, (step - self.warmup_steps) / decay_steps)
+        if self.lr_schedule == "linear":
+            return 1.0 - (1.0 - self.min_lr_ratio) * progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class ZorroTrainSection(_Section):
