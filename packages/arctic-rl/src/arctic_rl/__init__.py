@@ -1,9 +1,69 @@
-"""arctic-rl: the Ray-orchestrated RL client (DeepSpeed training and log-prob engines, vLLM sampling engine).
+"""arctic-rl: exact, fast RL post-training driven from your own loop.
 
-This package is a skeleton until its issue lands: it pins the stack's versions and dependencies so the workspace
-installs and locks as one.
+A thin client (this package's core: config, batches, losses, metrics) over Ray-orchestrated engines: DeepSpeed
+training and log-prob engines and vLLM sampling engines, installed with the ``arctic-rl[engines]`` /
+``arctic-rl[vllm]`` extras and imported only when an engine starts.
 """
+
+from arctic_rl.batch import BATCH_KEYS, build_grpo_batch, grpo_advantages, validate_batch
+from arctic_rl.config import (
+    ArcticRLClientConfig,
+    FcaSection,
+    SamplingConfig,
+    TrainingConfig,
+    WeightSyncConfig,
+    ZorroTrainSection,
+)
+from arctic_rl.errors import (
+    ArcticRLError,
+    BatchValidationError,
+    ConfigError,
+    EngineError,
+    EngineStateError,
+    MissingDependencyError,
+)
+from arctic_rl.losses import (
+    LossFn,
+    LossInputs,
+    LossNeeds,
+    LossOutput,
+    PolicyLossConfig,
+    count_loss_denominators,
+    get_loss_fn,
+    loss_needs,
+    register_loss_fn,
+)
+from arctic_rl.metrics import StepTimer, logprob_mismatch
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "BATCH_KEYS",
+    "ArcticRLClientConfig",
+    "ArcticRLError",
+    "BatchValidationError",
+    "ConfigError",
+    "EngineError",
+    "EngineStateError",
+    "FcaSection",
+    "LossFn",
+    "LossInputs",
+    "LossNeeds",
+    "LossOutput",
+    "MissingDependencyError",
+    "PolicyLossConfig",
+    "SamplingConfig",
+    "StepTimer",
+    "TrainingConfig",
+    "WeightSyncConfig",
+    "ZorroTrainSection",
+    "__version__",
+    "build_grpo_batch",
+    "count_loss_denominators",
+    "get_loss_fn",
+    "grpo_advantages",
+    "logprob_mismatch",
+    "loss_needs",
+    "register_loss_fn",
+    "validate_batch",
+]
