@@ -177,6 +177,8 @@ def test_update_weights_then_logprobs_equal_transformers(engine: Any, reference:
     completion = _random_prompt(6, 9)
     before = engine.score([prompt], [completion])[0]
     assert _max_difference(before, _reference_logprobs(reference, prompt, completion, 1.0)) <= LOGPROB_TOLERANCE
+    # Fill the prefix cache with this prompt's KV under the old weights; the update must drop it.
+    engine.generate([prompt], {"max_tokens": 1})
 
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -263,3 +265,24 @@ def test_bad_requests_are_refused_with_a_fix(engine: Any) -> None:
         engine.score([[1, 2]], [[3], [4]])
     with pytest.raises(ValueError, match="temperature"):
         engine.score([[1, 2]], [[3]], temperature=0.0)
+
+
+def test_transfer_methods_drive_vllms_update_session(engine: Any, reference: Any) -> None:
+    """The receiver methods the nccl / ipc trainer engines call, driven here with the in-process payload."""
+    from arctic_rl.engines.weight_transfer import SamplerWeightSyncClient
+
+    client = SamplerWeightSyncClient(lambda method, args: getattr(engine, method)(*args))
+    generator = torch.Generator().manual_seed(21)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.mul_(1.0 + 0.02 * torch.randn(parameter.shape, generator=generator))
+    named = [(name, parameter.detach().clone()) for name, parameter in reference.named_parameters()]
+    client.start_weight_update()
+    # Two chunks in one session, as a bucketed trainer sends them.
+    client.update_weights({"named_tensors": named[: len(named) // 2]})
+    client.update_weights({"named_tensors": named[len(named) // 2 :]})
+    client.finish_weight_update()
+    prompt, completion = _random_prompt(20, 22), _random_prompt(5, 23)
+    expected = _reference_logprobs(reference, prompt, completion, 1.0)
+    assert _max_difference(engine.score([prompt], [completion])[0], expected) <= LOGPROB_TOLERANCE
+    assert engine.weight_norm() == pytest.approx(_reference_norm(reference), rel=1e-12)

