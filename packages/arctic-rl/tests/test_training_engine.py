@@ -190,7 +190,9 @@ def test_checkpoint_round_trip_gives_the_same_next_step_bitwise(model_dir: str, 
             lrs.append(_train(original, batch)[1]["lr"])
             directory = original.save_checkpoint(str(tmp_path), step, keep_last=1, hf_export=step == 2)
         assert lrs == [config.training.lr / 2, config.training.lr]
-        assert sorted(os.listdir(tmp_path)) == ["global_step2", "latest"]
+        # DeepSpeed also writes its conversion scripts (zero_to_fp32.py, ...) beside the checkpoints.
+        assert sorted(entry for entry in os.listdir(tmp_path) if entry.startswith("global_step")) == ["global_step2"]
+        assert (tmp_path / "latest").read_text().strip() == "global_step2"
         assert directory == str(tmp_path / "global_step2")
         expected = _train(original, batches[2])
         expected_weights = full_parameters(original)

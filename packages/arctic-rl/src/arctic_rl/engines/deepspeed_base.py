@@ -96,7 +96,8 @@ class DeepSpeedModelEngine:
         self._deepspeed = _import_deepspeed(self.device, self.name)
         self._init_process_group(master_addr, master_port)
         model = load_causal_lm(config, device=self.device, dtype=self.dtype)
-        self.vocab_size = int(model.config.get_text_config().vocab_size)
+        model_config: Any = model.config
+        self.vocab_size = int(model_config.get_text_config().vocab_size)
         self.zero_stage = self._zero_stage()
         self._engine = self._initialize(model, self._deepspeed_config())
         self._zorro = self._install_zorro()

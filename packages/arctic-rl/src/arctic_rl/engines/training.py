@@ -216,8 +216,9 @@ class TrainingEngine(DeepSpeedModelEngine):
             self._engine.backward(output.loss * self.world_size, scale_wrt_gas=False)
             self._pending_micro_batches += 1
             loss_total += output.loss.detach().double().cpu()
-            for name, value in output.metrics.items():
-                metric_totals[name] = metric_totals.get(name, 0) + value.detach().double().cpu()
+            for name, metric in output.metrics.items():
+                share = metric.detach().double().cpu()
+                metric_totals[name] = metric_totals[name] + share if name in metric_totals else share
         return {
             "loss": float(loss_total),
             "metrics": {name: float(value) for name, value in metric_totals.items()},
