@@ -1,0 +1,371 @@
+"""``TrainingEngine``: the policy on DeepSpeed (ZeRO 0-3), trained with a named loss from the registry.
+
+Gradient accumulation is owned by the engine: ``fwd_bwd`` may be called any number of times (each call cuts its
+batch into micro-batches) and ``step()`` is the accumulation boundary. DeepSpeed runs with
+``managed_gradient_accumulation: false`` for that (its caller-owned boundary: ``backward`` accumulates, ``step``
+reduces and updates), because a boundary set before the last micro-batch of a ``fwd_bwd`` call cannot know whether
+another call follows before ``step()``. Each micro-batch's loss is already its share of the step's global loss (the
+losses divide by the whole step's token and sequence counts), so backward runs it unscaled by gradient accumulation
+and multiplied by the data-parallel world size, which DeepSpeed's gradient averaging divides out again: the step's
+gradient is the gradient of the global loss, whatever the micro-batching and the split over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from arctic_rl.engines.deepspeed_base import DeepSpeedModelEngine
+from arctic_rl.engines.model import load_tokenizer
+from arctic_rl.engines.policy_forward import forward_responses, select_samples
+from arctic_rl.errors import EngineError, EngineStateError
+
+if TYPE_CHECKING:
+    from arctic_rl.config import ArcticRLClientConfig, TrainingConfig
+
+__all__ = ["CHECKPOINT_TAG_PREFIX", "SLEEP_MODES", "TrainingEngine", "lr_multiplier"]
+
+# sleep(mode): "optimizer" moves the fp32 master weights, optimizer moments and gradient buffers; "weights" the
+# model's own (low-precision) parameters; "all" both.
+SLEEP_MODES: tuple[str, ...] = ("all", "optimizer", "weights")
+CHECKPOINT_TAG_PREFIX = "global_step"
+_TAG_PATTERN = re.compile(rf"^{CHECKPOINT_TAG_PREFIX}(\d+)$")
+
+
+def lr_multiplier(step: int, training: TrainingConfig) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``training.lr``.
+
+    Linear warmup ``(step + 1) / warmup_steps`` over the first ``warmup_steps`` steps, then ``constant`` (1), or a
+    ``linear`` / ``cosine`` decay reaching ``min_lr_ratio`` at ``total_steps`` and staying there.
+    """
+    if step < training.warmup_steps:
+        return (step + 1) / training.warmup_steps
+    if training.lr_schedule == "constant" or training.total_steps is None:
+        return 1.0
+    horizon = training.total_steps - training.warmup_steps
+    progress = 1.0 if horizon <= 0 else min(1.0, (step - training.warmup_steps) / horizon)
+    floor = training.min_lr_ratio
+    if training.lr_schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _checkpoint_tag(step: int) -> str:
+    return f"{CHECKPOINT_TAG_PREFIX}{step}"
+
+
+def _saved_steps(path: str) -> list[int]:
+    if not os.path.isdir(path):
+        return []
+    steps = []
+    for entry in os.listdir(path):
+        match = _TAG_PATTERN.match(entry)
+        if match and os.path.isdir(os.path.join(path, entry)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+class TrainingEngine(DeepSpeedModelEngine):
+    """The policy under DeepSpeed: ``fwd_no_grad``, ``fwd_bwd``, ``step``, checkpoints, weights, sleep/wake.
+
+    ``rank`` / ``world_size`` make it one data-parallel rank (every rank builds its own engine; ``master_addr`` and
+    ``master_port`` are the rendezvous, a free port for a single rank). Operations that are collective under
+    ZeRO (``fwd_bwd`` under ZeRO-3, ``step``, ``weight_norm`` under ZeRO-3, ``iter_full_parameters`` under
+    ZeRO-3, checkpoints) must be called on every rank.
+    """
+
+    def __init__(
+        self,
+        config: ArcticRLClientConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        role: str = "training",
+    ) -> None:
+        self.step_count = 0
+        self._pending_micro_batches = 0
+        self._last_grad_norm: float | None = None
+        super().__init__(
+            config, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, role=role
+        )
+
+    # ----------------------------------------------------------------------------------------------- construction
+    def _zero_stage(self) -> int:
+        return int(self.config.training.zero_stage)
+
+    def _clips_itself(self) -> bool:
+        # DeepSpeed clips (and reports the norm) inside its ZeRO and bf16 optimizers; a plain fp32 engine at stage 0
+        # steps the torch optimizer directly, so the engine clips there, after DeepSpeed's gradient all-reduce.
+        return self.zero_stage == 0 and self.dtype != torch.bfloat16
+
+    def _initialize(self, model: nn.Module, ds_config: dict[str, Any]) -> Any:
+        training = self.config.training
+        ds_config["managed_gradient_accumulation"] = False
+        if training.max_grad_norm is not None and not self._clips_itself():
+            ds_config["gradient_clipping"] = training.max_grad_norm
+        if self.zero_stage > 0:
+            ds_config["zero_allow_untested_optimizer"] = True
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=training.lr,
+            betas=training.betas,
+            eps=training.eps,
+            weight_decay=training.weight_decay,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, training=training))
+        if self._clips_itself():
+            optimizer.register_step_pre_hook(self._clip_before_update)
+        engine, _, _, engine_scheduler = self._deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self._scheduler = engine_scheduler
+        return engine
+
+    def _clip_before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        gradients = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(gradients)
+        max_norm = self.config.training.max_grad_norm
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(
+                [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None], max_norm, norm
+            )
+        self._last_grad_norm = float(norm)
+
+    def _sleep_modes(self) -> tuple[str, ...]:
+        return SLEEP_MODES
+
+    # ------------------------------------------------------------------------------------------------- training
+    @property
+    def lr(self) -> float:
+        """The learning rate the next ``step()`` applies."""
+        return float(self._scheduler.get_last_lr()[0])
+
+    def fwd_bwd(
+        self,
+        batch: Mapping[str, Any],
+        *,
+        loss_name: str,
+        loss_config: Mapping[str, Any] | None = None,
+        global_tokens: float,
+        global_sequences: float,
+        temperature: float = 1.0,
+    ) -> dict[str, Any]:
+        """Forward and backward of this rank's share of a step with the registered loss ``loss_name``.
+
+        ``global_tokens`` / ``global_sequences`` are the whole step's response tokens and non-empty sequences (all
+        ``fwd_bwd`` calls of the step, all ranks). Gradients accumulate until ``step()``. Returns ``{"loss": float,
+        "metrics": {name: float}, "tokens": int, "micro_batches": int, "base_tokens": int, "dedup_tokens": int}``:
+        loss and metrics are this call's shares of the step's global values (sum them over calls and ranks).
+        Everything is validated before the first forward.
+        """
+        from arctic_rl.losses import LossInputs, get_loss_fn
+
+        self._require_awake("fwd_bwd")
+        self._check_temperature(temperature)
+        registered = get_loss_fn(loss_name)
+        options = registered.parse_config(loss_config or {})
+        needs = registered.needs(loss_config or {})
+        for name, value in (("global_tokens", global_tokens), ("global_sequences", global_sequences)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"{name} must be a finite number > 0 (the whole step's count over every call and rank), got "
+                    f"{value!r}."
+                )
+        require = ["old_log_probs", "advantages"]
+        if needs.ref_log_probs:
+            require.append("ref_log_prob")
+        if needs.rollout_log_probs:
+            require.append("rollout_log_probs")
+        checked = self._validate(batch, require=tuple(require))
+        width = int(checked["responses"].shape[1])
+        if checked["advantages"].dim() == 1:
+            checked["advantages"] = checked["advantages"].unsqueeze(1).expand(-1, width).contiguous()
+        plan = self._plan(checked, for_training=True)
+
+        loss_total = torch.zeros((), dtype=torch.float64)
+        metric_totals: dict[str, torch.Tensor] = {}
+        for samples in plan.samples:
+            micro = select_samples(checked, samples, self.device)
+            outputs = forward_responses(
+                self._engine, micro, zorro=self._zorro, temperature=float(temperature), calculate_entropy=needs.entropy
+            )
+            dtype = outputs.log_probs.dtype
+            inputs = LossInputs(
+                log_probs=outputs.log_probs,
+                old_log_probs=micro["old_log_probs"].to(dtype),
+                advantages=micro["advantages"].to(dtype),
+                response_mask=micro["response_mask"].to(dtype),
+                ref_log_probs=micro["ref_log_prob"].to(dtype) if needs.ref_log_probs else None,
+                rollout_log_probs=micro["rollout_log_probs"].to(dtype) if needs.rollout_log_probs else None,
+                entropy=outputs.entropy,
+                global_tokens=float(global_tokens),
+                global_sequences=float(global_sequences),
+                max_response_length=width,
+            )
+            output = registered.fn(inputs, options)
+            self._engine.backward(output.loss * self.world_size, scale_wrt_gas=False)
+            self._pending_micro_batches += 1
+            loss_total += output.loss.detach().double().cpu()
+            for name, metric in output.metrics.items():
+                share = metric.detach().double().cpu()
+                metric_totals[name] = metric_totals[name] + share if name in metric_totals else share
+        return {
+            "loss": float(loss_total),
+            "metrics": {name: float(value) for name, value in metric_totals.items()},
+            "tokens": int(checked["response_mask"].sum()),
+            "micro_batches": len(plan.samples),
+            "base_tokens": plan.base_tokens,
+            "dedup_tokens": plan.dedup_tokens,
+        }
+
+    def step(self) -> dict[str, float]:
+        """Reduce the accumulated gradients over ranks, clip them to ``training.max_grad_norm`` and apply AdamW at
+        the scheduled learning rate. Returns ``{"grad_norm": norm before clipping, "lr": rate applied}``."""
+        self._require_awake("step")
+        if self._pending_micro_batches == 0:
+            raise EngineStateError(
+                "step() has no gradients to apply: call fwd_bwd() on this step's batch first.", engine=self.name
+            )
+        lr = self.lr
+        self._last_grad_norm = None
+        self._engine.step()
+        if not self._clips_itself():
+            norm = self._engine.get_global_grad_norm()
+            self._last_grad_norm = None if norm is None else float(norm)
+        self._pending_micro_batches = 0
+        self.step_count += 1
+        grad_norm = self._last_grad_norm
+        return {"grad_norm": math.nan if grad_norm is None else grad_norm, "lr": lr}
+
+    # ------------------------------------------------------------------------------------------------- memory
+    def _offload_states(self, mode: str) -> list[Any]:
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        weights = [OffloadStateTypeEnum.lp_params]
+        optimizer = [
+            OffloadStateTypeEnum.optim_states,
+            OffloadStateTypeEnum.hp_params,
+            OffloadStateTypeEnum.lp_grads,
+            OffloadStateTypeEnum.contiguous_grad_buffer,
+        ]
+        return {"weights": weights, "optimizer": optimizer, "all": weights + optimizer}[mode]
+
+    def _uses_deepspeed_offload(self) -> bool:
+        return hasattr(self._engine.optimizer, "offload_states")
+
+    def _move_torch_state(self, mode: str, device: torch.device) -> None:
+        # Stage 0 steps torch's AdamW directly: move its moments and the module (parameters and gradients).
+        if mode in ("all", "optimizer"):
+            for state in self._engine.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device)
+        if mode in ("all", "weights"):
+            self.module.to(device)
+
+    def _offload(self, mode: str) -> None:
+        if self._uses_deepspeed_offload():
+            from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+            self._engine.offload_states(
+                include=self._offload_states(mode),
+                device=OffloadDeviceEnum.cpu,
+                pin_memory=self.device.type == "cuda",
+            )
+        else:
+            self._move_torch_state(mode, torch.device("cpu"))
+
+    def _reload(self, mode: str) -> None:
+        if self._uses_deepspeed_offload():
+            self._engine.reload_states()
+        else:
+            self._move_torch_state(mode, self.device)
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    def _require_no_pending_gradients(self, operation: str) -> None:
+        if self._pending_micro_batches:
+            raise EngineStateError(
+                f"{operation}() with gradients of {self._pending_micro_batches} micro-batch(es) not yet applied: "
+                "DeepSpeed checkpoints do not hold gradients; call step() first.",
+                engine=self.name,
+            )
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def save_checkpoint(self, path: str, step: int, *, keep_last: int | None = None, hf_export: bool = False) -> str:
+        """Save a DeepSpeed checkpoint (weights, optimizer, scheduler, step counter, RNG) as ``path/global_step
+        {step}`` and point ``path/latest`` at it; every rank must call it. ``keep_last`` keeps only the newest
+        ``keep_last`` checkpoints (never the one just saved); ``hf_export`` also writes a Hugging Face model (and
+        tokenizer) to ``path/global_step{step}/hf``. Returns the checkpoint directory."""
+        self._require_awake("save_checkpoint")
+        self._require_no_pending_gradients("save_checkpoint")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}.")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be None (keep all) or >= 1, got {keep_last!r}.")
+        tag = _checkpoint_tag(step)
+        client_state = {"arctic_rl_step": step, "step_count": self.step_count, "torch_rng": torch.get_rng_state()}
+        self._engine.save_checkpoint(path, tag=tag, client_state=client_state, save_latest=True)
+        directory = os.path.join(path, tag)
+        if hf_export:
+            self._export_hugging_face(os.path.join(directory, "hf"))
+        self._barrier()
+        if keep_last is not None and self.rank == 0:
+            for old in _saved_steps(path)[:-keep_last]:
+                if old != step:
+                    shutil.rmtree(os.path.join(path, _checkpoint_tag(old)))
+        self._barrier()
+        return directory
+
+    def _export_hugging_face(self, directory: str) -> None:
+        # Collective under ZeRO-3 (every rank gathers); only rank 0 keeps the tensors and writes.
+        state_dict = {
+            name: tensor.detach().to("cpu", copy=True) for name, tensor in self.iter_full_parameters() if self.rank == 0
+        }
+        if self.rank != 0:
+            return
+        model: Any = self.module
+        model.save_pretrained(directory, state_dict=state_dict)
+        load_tokenizer(self.config).save_pretrained(directory)
+
+    def load_checkpoint(self, path: str, step: int | None = None) -> int:
+        """Restore ``path/global_step{step}`` (``step=None``: the one ``path/latest`` names) on every rank:
+        weights, optimizer, scheduler, step counter and RNG. Returns the restored step."""
+        self._require_awake("load_checkpoint")
+        self._require_no_pending_gradients("load_checkpoint")
+        if step is None:
+            latest = os.path.join(path, "latest")
+            if not os.path.isfile(latest):
+                raise EngineError(
+                    self.name,
+                    f"no checkpoint to resume: {latest} does not exist; pass the directory given to "
+                    f"save_checkpoint() (saved steps there: {_saved_steps(path)}).",
+                )
+            with open(latest) as handle:
+                tag = handle.read().strip()
+        else:
+            tag = _checkpoint_tag(step)
+        if not os.path.isdir(os.path.join(path, tag)):
+            raise EngineError(
+                self.name, f"no checkpoint {tag!r} under {path}; saved steps there: {_saved_steps(path)}."
+            )
+        load_path, client_state = self._engine.load_checkpoint(
+            path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None or client_state is None:
+            raise EngineError(self.name, f"DeepSpeed could not load checkpoint {tag!r} from {path}.")
+        self.step_count = int(client_state["step_count"])
+        torch.set_rng_state(client_state["torch_rng"])
+        return int(client_state["arctic_rl_step"])
