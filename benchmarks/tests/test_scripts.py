@@ -169,3 +169,12 @@ def test_every_results_and_docs_link_of_the_readmes_exists() -> None:
                     missing.append(f"{readme.relative_to(root)} -> {target}")
     assert not missing, missing
     assert checked >= 20, checked
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """`.ci/run` runs exactly the test command the README shows a new user."""
+    root = BENCHMARKS.parent
+    readme = (root / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if line.startswith("uvx nox")]
+    ci_lines = [line for line in (root / ".ci" / "run").read_text().splitlines() if line.startswith("uvx nox")]
+    assert len(commands) == 1 and ci_lines == commands, (commands, ci_lines)

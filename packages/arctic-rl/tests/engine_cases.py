@@ -86,6 +86,12 @@ def select_rows(batch: Mapping[str, torch.Tensor], rows: Sequence[int]) -> dict[
     return {name: value.index_select(0, index) for name, value in batch.items()}
 
 
+# With eps far above |gradient|, AdamW's first step moves each weight by lr * g / (|g| + eps) ~ lr * g / eps: the update
+# is proportional to the gradient, so equal updates mean equal gradients. With the default eps the first step is
+# lr * sign(g), which turns fp32 reduction-order noise in a near-zero gradient into a full-size difference.
+GRADIENT_PROPORTIONAL_ADAM = {"eps": 1.0, "lr": 1.0}
+
+
 def data_parallel_rank(
     rank: int,
     world_size: int,
@@ -101,7 +107,10 @@ def data_parallel_rank(
     from arctic_rl.engines.training import TrainingEngine
 
     engine = TrainingEngine(
-        make_config(model_dir, training={"zero_stage": stage}), rank=rank, world_size=world_size, master_port=port
+        make_config(model_dir, training={"zero_stage": stage, **GRADIENT_PROPORTIONAL_ADAM}),
+        rank=rank,
+        world_size=world_size,
+        master_port=port,
     )
     share = select_rows(batch, shares[rank])
     reply = fwd_bwd(engine, share, step_denominators(batch))

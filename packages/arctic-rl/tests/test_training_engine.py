@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from engine_cases import (
+    GRADIENT_PROPORTIONAL_ADAM,
     RESPONSE_WIDTH,
     data_parallel_rank,
     full_parameters,
@@ -257,7 +258,7 @@ def test_two_ranks_step_like_one_rank_on_the_same_global_batch(model_dir: str, s
     )
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
-    single = TrainingEngine(make_config(model_dir, training={"zero_stage": stage}))
+    single = TrainingEngine(make_config(model_dir, training={"zero_stage": stage, **GRADIENT_PROPORTIONAL_ADAM}))
     reply, stepped = _train(single, batch)
     expected_weights = full_parameters(single)
     assert math.isclose(ranks[0]["loss"] + ranks[1]["loss"], reply["loss"], rel_tol=TOLERANCE)
