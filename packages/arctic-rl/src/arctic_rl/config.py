@@ -1,0 +1,416 @@
+"""``ArcticRLClientConfig``: the one typed configuration of an arctic-rl client and its engines.
+
+The config is checked whole at construction: a combination that cannot be placed or run (colocation with a
+tensor-parallel size that does not divide the GPUs, CUDA IPC without colocation, NCCL on the CPU, ...) is refused
+with a message saying how to fix it, before any Ray actor or engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from arctic_rl.errors import ConfigError
+
+__all__ = [
+    "ArcticRLClientConfig",
+    "FcaSection",
+    "SamplingConfig",
+    "TrainingConfig",
+    "WeightSyncConfig",
+    "ZorroTrainSection",
+]
+
+Device = Literal["cuda", "cpu"]
+Dtype = Literal["float32", "bfloat16"]
+WeightSyncMethod = Literal["nccl", "cuda_ipc", "object_store"]
+
+# Keys of `ds_config` that a typed field owns; accepting both would leave two sources of truth.
+_DS_CONFIG_OWNED_KEYS: dict[str, str] = {
+    "optimizer": "training.lr / betas / eps / weight_decay",
+    "scheduler": "training.lr_schedule / warmup_steps / total_steps / min_lr_ratio",
+    "gradient_clipping": "training.max_grad_norm",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "train_batch_size": "training.micro_batch_tokens (micro-batches are formed by token budget)",
+    "train_micro_batch_size_per_gpu": "training.micro_batch_tokens (micro-batches are formed by token budget)",
+    "bf16": "the top-level dtype",
+    "fp16": "the top-level dtype (float16 is not supported; use dtype='bfloat16')",
+    "seed": "the top-level seed",
+}
+
+# vLLM engine arguments that a typed field (or the client itself) owns.
+_ENGINE_ARGS_OWNED_KEYS: dict[str, str] = {
+    "model": "model_name",
+    "tokenizer": "tokenizer_name",
+    "seed": "the top-level seed",
+    "dtype": "sampling.dtype (or the top-level dtype)",
+    "tensor_parallel_size": "sampling.tensor_parallel_size",
+    "gpu_memory_utilization": "sampling.gpu_memory_utilization",
+    "max_model_len": "sampling.max_model_len",
+    "max_num_seqs": "sampling.max_num_seqs",
+    "enforce_eager": "sampling.enforce_eager",
+}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainingConfig(_Section):
+    """Optimizer (AdamW), learning-rate schedule, gradient clipping and micro-batching of the training engine."""
+
+    lr: float = Field(default=1e-6, gt=0.0, description="Peak learning rate of AdamW.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
+    eps: float = Field(default=1e-8, gt=0.0, description="AdamW epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    warmup_steps: int = Field(default=0, ge=0, description="Optimizer steps of linear warmup from 0 to `lr`.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        default="constant",
+        description="Decay after warmup: 'constant' keeps `lr`; 'linear' and 'cosine' decay to `lr * min_lr_ratio` "
+        "at `total_steps`.",
+    )
+    total_steps: int | None = Field(
+        default=None, ge=1, description="Horizon of the 'linear' / 'cosine' decay in optimizer steps (required there)."
+    )
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="Final learning rate of a decaying schedule, as a fraction of `lr`."
+    )
+    max_grad_norm: float | None = Field(
+        default=1.0, gt=0.0, description="Clip the global gradient norm to this value; None disables clipping."
+    )
+    gradient_accumulation_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Micro-batches per optimizer step; None: as many as the token budget `micro_batch_tokens` needs.",
+    )
+    micro_batch_tokens: int = Field(
+        default=16384, ge=1, description="Token budget of one micro-batch (prompt plus response tokens, per rank)."
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the training engine.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"training.betas must both be in [0, 1), got {betas}; the usual value is (0.9, 0.999).")
+        return betas
+
+    @model_validator(mode="after")
+    def _schedule_has_a_horizon(self) -> TrainingConfig:
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            raise ValueError(
+                f"training.lr_schedule={self.lr_schedule!r} decays over a horizon: set training.total_steps to the "
+                "number of optimizer steps of the run, or use lr_schedule='constant'."
+            )
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"training.warmup_steps={self.warmup_steps} is longer than training.total_steps={self.total_steps}; "
+                "lower warmup_steps or raise total_steps."
+            )
+        return self
+
+
+class ZorroTrainSection(_Section):
+    """ZoRRO deduplicated training: shared prompt tokens run once per micro-batch in the training/log-prob engines."""
+
+    enable: bool = Field(default=True, description="Run the training and log-prob engines deduplicated (exact).")
+    logits_mode: Literal["none", "compute", "memory"] = Field(
+        default="none",
+        description="How response log-probs are computed: 'none' (plain), 'compute' (only response positions), "
+        "'memory' (chunked, never materialising [tokens, vocab]).",
+    )
+    max_rollouts_per_micro_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="Cap on the samples in one micro-batch on top of the token budget; None: no cap.",
+    )
+
+
+class SamplingConfig(_Section):
+    """The vLLM sampling engines: the common engine arguments as fields, the rest through `engine_args`."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per vLLM replica (tensor parallelism).")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="Fraction of each GPU's memory vLLM may use (weights + KV cache)."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="Longest prompt + response in tokens; None: the model's own limit."
+    )
+    max_num_seqs: int | None = Field(default=None, ge=1, description="Most sequences per vLLM step; None: vLLM's.")
+    enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (always eager on the CPU build).")
+    dtype: Dtype | None = Field(default=None, description="vLLM's dtype; None: the top-level dtype.")
+    kv_cache_space_gib: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="KV-cache size of vLLM's CPU build in GiB (VLLM_CPU_KVCACHE_SPACE); only valid on the CPU.",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Other vLLM engine arguments passed through as given (e.g. {'enable_prefix_caching': True}).",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args_do_not_shadow_fields(cls, engine_args: dict[str, Any]) -> dict[str, Any]:
+        for key, owner in _ENGINE_ARGS_OWNED_KEYS.items():
+            if key in engine_args:
+                raise ValueError(f"sampling.engine_args[{key!r}] is set by {owner}; set it there and remove the key.")
+        _require_json(engine_args, "sampling.engine_args")
+        return engine_args
+
+
+class FcaSection(_Section):
+    """Forest Cascade Attention in the vLLM sampler (the knobs of ``arctic_fca.FcaConfig``, same names)."""
+
+    enable: bool = Field(default=False, description="Register the FCA attention backend in the sampling engines.")
+    max_query_len: int = Field(
+        default=1, ge=1, description="A step with more query tokens per request than this runs standard attention."
+    )
+    min_group_size: int = Field(
+        default=2, ge=2, description="Fewest requests that must share a prefix for it to be read once for all."
+    )
+    min_additional_prefix_blocks: int = Field(
+        default=1, ge=1, description="Fewest shared full KV blocks a group needs to be read once."
+    )
+    min_non_singleton_fraction: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="A step with a smaller fraction of grouped requests is not grouped."
+    )
+    max_non_singleton_groups: int = Field(
+        default=0, ge=0, description="A step with more groups than this is not grouped; 0 means no limit."
+    )
+    log_interval: int = Field(default=100, ge=1, description="Log FCA stats every this many steps on GPUs.")
+
+    def environment(self) -> dict[str, str]:
+        """The ``ARCTIC_FCA*`` environment variables that make ``arctic_fca.FcaConfig.from_env()`` equal this."""
+        variables = {"ARCTIC_FCA": "1" if self.enable else "0"}
+        for name, value in self.model_dump().items():
+            if name != "enable":
+                variables[f"ARCTIC_FCA_{name.upper()}"] = str(value)
+        return variables
+
+
+class WeightSyncConfig(_Section):
+    """How the trainer's weights reach the sampling engines after each step."""
+
+    method: Literal["auto", "nccl", "cuda_ipc", "object_store"] = Field(
+        default="auto",
+        description="'auto': CUDA IPC when colocated on GPUs, NCCL when split on GPUs, the Ray object store on CPUs.",
+    )
+    low_memory: bool = Field(
+        default=False, description="Stream one bucket at a time instead of staging the full model (colocated GPUs)."
+    )
+    bucket_mb: int = Field(default=512, ge=1, description="Size of one transfer bucket in MiB.")
+
+
+class ArcticRLClientConfig(BaseModel):
+    """Everything an arctic-rl client needs: model, GPU counts, placement, and the engines' sections.
+
+    On a machine without CUDA the same GPU counts place that many CPU workers, so a GPU config runs unchanged on a
+    laptop (``device="cpu"`` forces this).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_name: str = Field(min_length=1, description="Hugging Face hub id or local directory of the policy model.")
+    tokenizer_name: str | None = Field(default=None, description="Tokenizer hub id or directory; None: model_name.")
+    comm_protocol: Literal["ray", "http"] = Field(
+        default="ray", description="Transport between client and engines: 'ray' (actor calls) or 'http'."
+    )
+    training_gpus: int = Field(default=1, ge=1, description="Data-parallel DeepSpeed training ranks (one GPU each).")
+    sampling_gpus: int = Field(default=1, ge=1, description="GPUs of the vLLM sampling engines, all replicas together.")
+    log_prob_gpus: int = Field(
+        default=0, ge=0, description="GPUs of a separate DeepSpeed log-prob/reference engine; 0: none."
+    )
+    colocate: bool = Field(
+        default=False,
+        description="Share the same GPUs between training and sampling (time-shared with sleep/wake) instead of "
+        "giving each engine its own.",
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        description="GPUs per node of the cluster, to check the placement at construction; None: read from Ray "
+        "when the engines are placed.",
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        default="auto", description="'auto': CUDA when this process sees a GPU, else the CPU; 'cpu' forces the CPU."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of every engine (model init, sampling, data order).")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="One dtype for every engine; 'auto': bfloat16 on GPUs, float32 on the CPU."
+    )
+    full_determinism: bool = Field(
+        default=False, description="Deterministic algorithms everywhere (bitwise-reproducible steps, slower)."
+    )
+    checkpoint_path: str | None = Field(
+        default=None, description="Directory of DeepSpeed checkpoints; None: save_checkpoint needs a path."
+    )
+    log_prob_engine: Literal["deepspeed", "vllm"] = Field(
+        default="deepspeed",
+        description="Who computes old/reference log-probs: a DeepSpeed engine (the log-prob engine when "
+        "log_prob_gpus > 0, else the training engine) or the vLLM sampling engines.",
+    )
+    ds_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="DeepSpeed JSON config passed through as DeepSpeed users write it (e.g. zero_optimization "
+        "sub-keys); keys a typed field owns are refused.",
+    )
+    ray_address: str | None = Field(
+        default=None, description="Address of a running Ray cluster; None: attach to a local Ray or start one."
+    )
+    host: str = Field(default="127.0.0.1", min_length=1, description="Host of the HTTP server (comm_protocol='http').")
+    port: int = Field(default=7000, ge=1, le=65535, description="Port of the HTTP server (comm_protocol='http').")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimizer and micro-batching.")
+    zorro_train: ZorroTrainSection = Field(default_factory=ZorroTrainSection, description="Deduplicated training.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="The vLLM sampling engines.")
+    fca: FcaSection = Field(default_factory=FcaSection, description="Forest Cascade Attention in the sampler.")
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="Trainer -> sampler sync.")
+
+    @field_validator("ds_config")
+    @classmethod
+    def _ds_config_passes_through(cls, ds_config: dict[str, Any]) -> dict[str, Any]:
+        for key, owner in _DS_CONFIG_OWNED_KEYS.items():
+            if key in ds_config:
+                raise ValueError(f"ds_config[{key!r}] is set by {owner}; set it there and remove the key.")
+        zero = ds_config.get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise ValueError(f"ds_config['zero_optimization'] must be a dict, got {type(zero).__name__}.")
+        _require_json(ds_config, "ds_config")
+        return ds_config
+
+    @model_validator(mode="after")
+    def _combination_is_runnable(self) -> ArcticRLClientConfig:
+        self._check_tensor_parallel()
+        self._check_colocation()
+        self._check_devices()
+        self._check_log_prob_engine()
+        self._check_ds_config_stage()
+        return self
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.sampling.tensor_parallel_size
+        if tp > self.sampling_gpus:
+            raise ValueError(
+                f"sampling.tensor_parallel_size={tp} is larger than sampling_gpus={self.sampling_gpus}; one vLLM "
+                f"replica needs {tp} GPUs: raise sampling_gpus to a multiple of {tp} or lower tensor_parallel_size."
+            )
+        if self.sampling_gpus % tp:
+            raise ValueError(
+                f"sampling_gpus={self.sampling_gpus} is not a multiple of sampling.tensor_parallel_size={tp}; every "
+                "vLLM replica uses tensor_parallel_size GPUs: make sampling_gpus a multiple of it."
+            )
+        if self.gpus_per_node is not None:
+            self.check_gpus_per_node(self.gpus_per_node)
+
+    def _check_colocation(self) -> None:
+        if not self.colocate:
+            return
+        if self.sampling_gpus != self.training_gpus:
+            raise ValueError(
+                f"colocate=True runs training and sampling on the same GPUs, but training_gpus={self.training_gpus} "
+                f"and sampling_gpus={self.sampling_gpus}; set them equal, or set colocate=False to give each engine "
+                "its own GPUs."
+            )
+        if self.log_prob_gpus not in (0, self.training_gpus):
+            raise ValueError(
+                f"colocate=True shares the training GPUs, so log_prob_gpus must be 0 (no separate log-prob engine) "
+                f"or {self.training_gpus} (one colocated with each training rank), got {self.log_prob_gpus}."
+            )
+
+    def _check_devices(self) -> None:
+        device = self.resolved_device()
+        method = self.weight_sync.method
+        if device == "cpu" and method in ("nccl", "cuda_ipc"):
+            raise ValueError(
+                f"weight_sync.method={method!r} needs CUDA but the engines run on the CPU (device={self.device!r}"
+                f"{', and this process sees no GPU' if self.device == 'auto' else ''}); use method='object_store' or "
+                "'auto', or set device='cuda' if the Ray cluster has GPUs this process cannot see."
+            )
+        if method == "cuda_ipc" and not self.colocate:
+            raise ValueError(
+                "weight_sync.method='cuda_ipc' shares GPU memory between processes on the same GPU, which needs "
+                "colocate=True; use method='nccl' (or 'auto') for split GPUs."
+            )
+        if device == "cuda" and self.sampling.kv_cache_space_gib is not None:
+            raise ValueError(
+                "sampling.kv_cache_space_gib sizes the KV cache of vLLM's CPU build; on GPUs the KV cache is sized by "
+                "sampling.gpu_memory_utilization: remove kv_cache_space_gib or set device='cpu'."
+            )
+
+    def _check_log_prob_engine(self) -> None:
+        if self.log_prob_engine == "vllm" and self.log_prob_gpus > 0:
+            raise ValueError(
+                f"log_prob_engine='vllm' computes log-probs on the sampling engines, so log_prob_gpus="
+                f"{self.log_prob_gpus} GPUs would sit idle; set log_prob_gpus=0, or log_prob_engine='deepspeed' to "
+                "run a separate DeepSpeed log-prob engine on them."
+            )
+
+    def _check_ds_config_stage(self) -> None:
+        stage = self.ds_config.get("zero_optimization", {}).get("stage")
+        if stage is not None and stage != self.training.zero_stage:
+            raise ValueError(
+                f"ds_config['zero_optimization']['stage']={stage!r} disagrees with training.zero_stage="
+                f"{self.training.zero_stage}; the ZeRO stage is set by training.zero_stage: set it to {stage!r} and "
+                "remove 'stage' from ds_config."
+            )
+
+    def check_gpus_per_node(self, gpus_per_node: int) -> None:
+        """Refuse a placement that cannot fit nodes of ``gpus_per_node`` GPUs (``ConfigError`` saying how to fix).
+
+        A vLLM replica (``tensor_parallel_size`` GPUs) must sit on one node, and a colocated layout packs each node
+        with whole replicas, so the tensor-parallel size must divide the GPUs per node.
+        """
+        if gpus_per_node < 1:
+            raise ConfigError(f"gpus_per_node must be >= 1, got {gpus_per_node}.")
+        tp = self.sampling.tensor_parallel_size
+        if tp > gpus_per_node:
+            raise ConfigError(
+                f"sampling.tensor_parallel_size={tp} is larger than the {gpus_per_node} GPUs of a node; a vLLM "
+                f"replica must fit on one node: lower tensor_parallel_size to at most {gpus_per_node}."
+            )
+        if self.colocate and gpus_per_node % tp:
+            divisors = [size for size in range(1, gpus_per_node + 1) if gpus_per_node % size == 0]
+            raise ConfigError(
+                f"colocate=True packs each node with whole vLLM replicas, but sampling.tensor_parallel_size={tp} does "
+                f"not divide the {gpus_per_node} GPUs per node; use a tensor_parallel_size in {divisors}, or "
+                "colocate=False."
+            )
+
+    def resolved_device(self) -> Device:
+        """The device every engine runs on: ``device``, with 'auto' resolved against this process's CUDA."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self) -> Dtype:
+        """The parameter dtype of every engine: ``dtype``, with 'auto' as bfloat16 on GPUs and float32 on the CPU."""
+        if self.dtype == "auto":
+            return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+        return self.dtype
+
+    def resolved_sampling_dtype(self) -> Dtype:
+        """The vLLM dtype: ``sampling.dtype`` if set, else ``resolved_dtype()``."""
+        return self.sampling.dtype or self.resolved_dtype()
+
+    def resolved_weight_sync(self) -> WeightSyncMethod:
+        """The weight-sync method: ``weight_sync.method``, with 'auto' resolved from the device and the placement."""
+        if self.weight_sync.method != "auto":
+            return self.weight_sync.method
+        if self.resolved_device() == "cpu":
+            return "object_store"
+        return "cuda_ipc" if self.colocate else "nccl"
+
+    def resolved_tokenizer_name(self) -> str:
+        """``tokenizer_name``, or ``model_name`` when it is not set."""
+        return self.tokenizer_name or self.model_name
+
+
+def _require_json(value: dict[str, Any], where: str) -> None:
+    # model_dump_json() must round-trip, so pass-through dicts may hold only JSON values.
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where} must hold only JSON values (str, number, bool, None, list, dict): {error}") from None

@@ -1,0 +1,249 @@
+import json
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from arctic_rl.config import (
+    ArcticRLClientConfig,
+    FcaSection,
+    SamplingConfig,
+    TrainingConfig,
+    WeightSyncConfig,
+    ZorroTrainSection,
+)
+from arctic_rl.errors import ConfigError
+
+CUDA = torch.cuda.is_available()
+
+
+def make(**overrides: Any) -> ArcticRLClientConfig:
+    return ArcticRLClientConfig(model_name="tiny", **overrides)
+
+
+def test_the_seed_snippet_runs_verbatim() -> None:
+    config = ArcticRLClientConfig(
+        model_name="Qwen/Qwen3-4B",
+        comm_protocol="ray",
+        training_gpus=1,
+        sampling_gpus=1,
+        log_prob_gpus=0,
+        colocate=False,
+    )
+    assert config.model_name == "Qwen/Qwen3-4B"
+    assert config.resolved_tokenizer_name() == "Qwen/Qwen3-4B"
+
+
+def test_defaults_resolve_against_the_device() -> None:
+    config = make()
+    assert config.resolved_device() == ("cuda" if CUDA else "cpu")
+    assert config.resolved_dtype() == ("bfloat16" if CUDA else "float32")
+    assert config.resolved_weight_sync() == ("nccl" if CUDA else "object_store")
+    cpu = make(device="cpu", dtype="bfloat16")
+    assert cpu.resolved_device() == "cpu" and cpu.resolved_dtype() == "bfloat16"
+    assert cpu.resolved_sampling_dtype() == "bfloat16"
+    assert make(device="cpu", sampling={"dtype": "float32"}).resolved_sampling_dtype() == "float32"
+
+
+def test_auto_weight_sync_on_gpus_follows_the_placement() -> None:
+    assert make(device="cuda").resolved_weight_sync() == "nccl"
+    assert make(device="cuda", colocate=True).resolved_weight_sync() == "cuda_ipc"
+    assert make(device="cuda", weight_sync={"method": "object_store"}).resolved_weight_sync() == "object_store"
+
+
+def test_extra_fields_are_refused_everywhere() -> None:
+    with pytest.raises(ValidationError, match="extra"):
+        make(trainign_gpus=2)
+    with pytest.raises(ValidationError, match="extra"):
+        make(training={"learning_rate": 1e-5})
+    for section in (TrainingConfig, ZorroTrainSection, SamplingConfig, FcaSection, WeightSyncConfig):
+        with pytest.raises(ValidationError, match="extra"):
+            section(unknown=1)
+
+
+def test_config_is_frozen() -> None:
+    config = make()
+    with pytest.raises(ValidationError):
+        config.training_gpus = 3  # type: ignore[misc]
+
+
+def test_every_field_is_documented() -> None:
+    for model in (
+        ArcticRLClientConfig,
+        TrainingConfig,
+        ZorroTrainSection,
+        SamplingConfig,
+        FcaSection,
+        WeightSyncConfig,
+    ):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            assert field.annotation is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"sampling_gpus": 2, "sampling": {"tensor_parallel_size": 4}}, "larger than sampling_gpus"),
+        ({"sampling_gpus": 6, "sampling": {"tensor_parallel_size": 4}}, "not a multiple"),
+        (
+            {
+                "training_gpus": 8,
+                "sampling_gpus": 8,
+                "colocate": True,
+                "gpus_per_node": 6,
+                "sampling": {"tensor_parallel_size": 4},
+            },
+            r"does not divide the 6 GPUs per node; use a tensor_parallel_size in \[1, 2, 3, 6\]",
+        ),
+        ({"sampling_gpus": 8, "gpus_per_node": 2, "sampling": {"tensor_parallel_size": 4}}, "fit on one node"),
+        ({"device": "cuda", "weight_sync": {"method": "cuda_ipc"}}, "needs colocate=True"),
+        ({"device": "cpu", "weight_sync": {"method": "nccl"}}, "needs CUDA"),
+        ({"device": "cpu", "colocate": True, "weight_sync": {"method": "cuda_ipc"}}, "needs CUDA"),
+        ({"log_prob_engine": "vllm", "log_prob_gpus": 1}, "set log_prob_gpus=0"),
+        ({"colocate": True, "training_gpus": 2, "sampling_gpus": 1}, "set them equal"),
+        ({"colocate": True, "training_gpus": 2, "sampling_gpus": 2, "log_prob_gpus": 1}, "log_prob_gpus must be 0"),
+        ({"device": "cuda", "sampling": {"kv_cache_space_gib": 4}}, "remove kv_cache_space_gib"),
+        ({"ds_config": {"optimizer": {"type": "AdamW"}}}, "training.lr"),
+        ({"ds_config": {"zero_optimization": {"stage": 3}}}, "set it to 3"),
+        ({"ds_config": {"zero_optimization": 3}}, "must be a dict"),
+        ({"ds_config": {"x": object()}}, "JSON values"),
+        ({"sampling": {"engine_args": {"tensor_parallel_size": 2}}}, "sampling.tensor_parallel_size"),
+        ({"sampling": {"engine_args": {"seed": 2}}}, "top-level seed"),
+        ({"training": {"lr_schedule": "cosine"}}, "set training.total_steps"),
+        ({"training": {"lr_schedule": "linear", "total_steps": 10, "warmup_steps": 11}}, "lower warmup_steps"),
+        ({"training": {"betas": (0.9, 1.0)}}, r"\[0, 1\)"),
+        ({"training": {"zero_stage": 4}}, "zero_stage"),
+        ({"training_gpus": 0}, "training_gpus"),
+        ({"sampling_gpus": 0}, "sampling_gpus"),
+        ({"log_prob_gpus": -1}, "log_prob_gpus"),
+        ({"port": 70000}, "port"),
+        ({"fca": {"min_group_size": 1}}, "min_group_size"),
+        ({"sampling": {"gpu_memory_utilization": 1.5}}, "gpu_memory_utilization"),
+        ({"comm_protocol": "grpc"}, "comm_protocol"),
+    ],
+)
+def test_invalid_combinations_are_refused_with_a_fix(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        make(**overrides)
+
+
+def test_valid_layouts_are_accepted() -> None:
+    make(training_gpus=8, sampling_gpus=8, colocate=True, gpus_per_node=8, sampling={"tensor_parallel_size": 4})
+    make(training_gpus=2, sampling_gpus=4, log_prob_gpus=2, gpus_per_node=4, sampling={"tensor_parallel_size": 2})
+    make(colocate=True, training_gpus=2, sampling_gpus=2, log_prob_gpus=2)
+    make(log_prob_engine="vllm")
+    make(ds_config={"zero_optimization": {"stage": 2, "overlap_comm": True}})
+    make(device="cpu", sampling={"kv_cache_space_gib": 1})
+    make(comm_protocol="http", port=8000)
+
+
+def test_check_gpus_per_node_raises_config_error() -> None:
+    config = make(device="cuda", training_gpus=4, sampling_gpus=4, colocate=True, sampling={"tensor_parallel_size": 4})
+    config.check_gpus_per_node(8)
+    with pytest.raises(ConfigError, match="does not divide the 6 GPUs per node"):
+        config.check_gpus_per_node(6)
+    with pytest.raises(ConfigError, match="fit on one node"):
+        config.check_gpus_per_node(2)
+
+
+def test_fca_section_mirrors_fca_config_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    section = FcaSection(
+        enable=True,
+        max_query_len=3,
+        min_group_size=4,
+        min_non_singleton_fraction=0.5,
+        max_non_singleton_groups=7,
+        min_additional_prefix_blocks=2,
+        log_interval=9,
+    )
+    for name, value in section.environment().items():
+        monkeypatch.setenv(name, value)
+    fca_config = pytest.importorskip("arctic_fca.config")
+    parsed = fca_config.FcaConfig.from_env()
+    assert parsed.enabled
+    for name in FcaSection.model_fields:
+        if name != "enable":
+            assert getattr(parsed, name) == getattr(section, name)
+    from dataclasses import fields
+
+    assert {field.name for field in fields(fca_config.FcaConfig)} - {"enabled"} == set(FcaSection.model_fields) - {
+        "enable"
+    }
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=8,
+)
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> ArcticRLClientConfig:
+    tp = draw(st.sampled_from([1, 2, 4]))
+    colocate = draw(st.booleans())
+    training_gpus = draw(st.integers(1, 4)) * tp if colocate else draw(st.integers(1, 8))
+    sampling_gpus = training_gpus if colocate else tp * draw(st.integers(1, 3))
+    device = draw(st.sampled_from(["cpu", "cuda"]))
+    methods = ["auto", "object_store"] + (["nccl"] if device == "cuda" else [])
+    if device == "cuda" and colocate:
+        methods.append("cuda_ipc")
+    schedule = draw(st.sampled_from(["constant", "linear", "cosine"]))
+    total = draw(st.integers(1, 1000)) if schedule != "constant" else draw(st.none() | st.integers(1, 1000))
+    return ArcticRLClientConfig(
+        model_name=draw(st.text(min_size=1, max_size=10)),
+        tokenizer_name=draw(st.none() | st.text(max_size=10)),
+        comm_protocol=draw(st.sampled_from(["ray", "http"])),
+        training_gpus=training_gpus,
+        sampling_gpus=sampling_gpus,
+        log_prob_gpus=draw(st.sampled_from([0, training_gpus])) if colocate else draw(st.integers(0, 4)),
+        colocate=colocate,
+        device=device,
+        seed=draw(st.integers(0, 2**31)),
+        dtype=draw(st.sampled_from(["auto", "float32", "bfloat16"])),
+        full_determinism=draw(st.booleans()),
+        checkpoint_path=draw(st.none() | st.text(max_size=10)),
+        ds_config={"zero_optimization": {"offload": draw(json_values)}, "extra": draw(json_values)},
+        training={
+            "lr": draw(st.floats(1e-9, 1.0)),
+            "betas": (draw(st.floats(0, 0.99)), draw(st.floats(0, 0.9999))),
+            "lr_schedule": schedule,
+            "total_steps": total,
+            "warmup_steps": draw(st.integers(0, total or 1000)),
+            "max_grad_norm": draw(st.none() | st.floats(0.01, 10)),
+            "gradient_accumulation_steps": draw(st.none() | st.integers(1, 8)),
+            "zero_stage": draw(st.sampled_from([0, 1, 2, 3])),
+        },
+        zorro_train={
+            "enable": draw(st.booleans()),
+            "logits_mode": draw(st.sampled_from(["none", "compute", "memory"])),
+        },
+        sampling={
+            "tensor_parallel_size": tp,
+            "max_model_len": draw(st.none() | st.integers(1, 10**5)),
+            "dtype": draw(st.sampled_from([None, "float32", "bfloat16"])),
+            "engine_args": {"enable_prefix_caching": draw(st.booleans()), "other": draw(json_values)},
+        },
+        fca={"enable": draw(st.booleans()), "min_non_singleton_fraction": draw(st.floats(0, 1))},
+        weight_sync={"method": draw(st.sampled_from(methods)), "bucket_mb": draw(st.integers(1, 4096))},
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(configs())
+def test_model_dump_json_round_trips(config: ArcticRLClientConfig) -> None:
+    dumped = config.model_dump_json()
+    restored = ArcticRLClientConfig.model_validate_json(dumped)
+    assert restored == config
+    assert restored.model_dump_json() == dumped
+    assert ArcticRLClientConfig.model_validate(json.loads(dumped)) == config
+    assert pickle.loads(pickle.dumps(config)) == config
