@@ -9,6 +9,8 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from ray_helpers import retry_start  # noqa: E402
+
 from arctic_rl.placement import Placement, PlacementError, PlacementRequest, WorkerSlot, place  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -42,7 +44,7 @@ class SimulatedCluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SimulatedCluster]:
-    simulated = SimulatedCluster()
+    simulated = retry_start(SimulatedCluster)
     try:
         yield simulated
     finally:

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from arctic_rl.errors import ArcticRLError
+from arctic_rl.errors import ConfigError
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -48,7 +48,7 @@ _RESOURCE_QUANTUM = 10_000
 _NODE_ID_LABEL = "ray.io/node-id"
 
 
-class PlacementError(ArcticRLError):
+class PlacementError(ConfigError):
     """The cluster cannot hold the requested engines, or its placement groups did not become ready."""
 
 

@@ -179,7 +179,7 @@ class RLService:
                 if handle.role == "training" and handle.rank == 0:
                     self.vocab_size = info["vocab_size"]
             if self.training:
-                self.step_count = int(self._call(self.training[0], "__step_count__"))
+                self.step_count = int(self._attribute(self.training[0], "step_count"))
         except BaseException:
             self.shutdown()
             raise
@@ -251,9 +251,10 @@ class RLService:
         except GetTimeoutError:
             raise EngineError(handle.name, f"did not answer within {timeout:.0f} s.") from None
 
+    def _attribute(self, handle: EngineHandle, name: str) -> Any:
+        return self._get(handle, handle.actor.get.remote(name))
+
     def _call(self, handle: EngineHandle, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method == "__step_count__":
-            return self._get(handle, handle.actor.get.remote("step_count"))
         return self._get(handle, handle.actor.call.remote(method, *args, **kwargs))
 
     def _call_all(self, handles: Sequence[EngineHandle], method: str, *args: Any, **kwargs: Any) -> list[Any]:
