@@ -178,7 +178,10 @@ class FakeSamplingEngine:
         return outputs
 
     def score(
-        self, prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]], *,
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        completion_token_ids: Sequence[Sequence[int]],
+        *,
         temperature: float = 1.0,
     ) -> list[list[float]]:
         table = torch.log_softmax(self.weights / temperature, dim=-1)

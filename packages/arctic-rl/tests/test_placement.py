@@ -10,7 +10,9 @@ from arctic_rl.placement import NodeResources, PlacementError, PlacementRequest,
 
 
 def nodes(count: int, gpus: int, cpus: float = 64.0) -> list[NodeResources]:
-    return [NodeResources(node_id=f"{index:02d}" * 28, address="10.0.0.1", gpus=gpus, cpus=cpus) for index in range(count)]
+    return [
+        NodeResources(node_id=f"{index:02d}" * 28, address="10.0.0.1", gpus=gpus, cpus=cpus) for index in range(count)
+    ]
 
 
 def check_invariants(request: PlacementRequest, cluster: list[NodeResources]) -> None:
@@ -66,7 +68,9 @@ def test_layouts_fill_the_cluster(layout: tuple[int, int], colocate: bool, tp: i
     count, per_node = layout
     total = count * per_node
     if colocate:
-        request = PlacementRequest(training_devices=total, sampling_devices=total, tensor_parallel_size=tp, colocate=True)
+        request = PlacementRequest(
+            training_devices=total, sampling_devices=total, tensor_parallel_size=tp, colocate=True
+        )
     else:
         sampling = max(tp, total // 2)
         if sampling == total:

@@ -8,7 +8,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
-
 from ray_helpers import retry_start  # noqa: E402
 
 from arctic_rl.placement import Placement, PlacementError, PlacementRequest, WorkerSlot, place  # noqa: E402
@@ -63,7 +62,12 @@ class Dummy:
 
     def report(self) -> tuple[tuple[str, int], str, str | None, list[int]]:
         context = ray.get_runtime_context()
-        return self.identity, context.get_node_id(), context.get_placement_group_id(), [int(i) for i in ray.get_gpu_ids()]
+        return (
+            self.identity,
+            context.get_node_id(),
+            context.get_placement_group_id(),
+            [int(i) for i in ray.get_gpu_ids()],
+        )
 
 
 def check_landing(placement: Placement, reports: dict[WorkerSlot, tuple[str, list[int]]]) -> None:
@@ -122,7 +126,7 @@ def test_dummy_actors_report_their_node_bundle_and_gpus(cluster: SimulatedCluste
         slots = list(placement.plan.workers)
         actors = [Dummy.options(**placement.actor_options(s)).remote(s.role, s.rank) for s in slots]
         reports = ray.get([actor.report.remote() for actor in actors])
-        for slot, (identity, node_id, group_id, gpu_ids) in zip(slots, reports, strict=True):
+        for slot, (identity, _, group_id, _) in zip(slots, reports, strict=True):
             assert identity == (slot.role, slot.rank)
             assert group_id == placement.placement_groups[slot.group_index].id.hex()
         check_landing(placement, {s: (r[1], r[3]) for s, r in zip(slots, reports, strict=True)})
@@ -160,5 +164,3 @@ def test_workers_land_on_their_planned_node_and_bundle(
     cluster: SimulatedCluster, count: int, per_node: int, colocate: bool, tp: int
 ) -> None:
     run_layout(cluster, count, per_node, colocate, tp)
-
-

@@ -16,10 +16,12 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from ray_helpers import retry_start  # noqa: E402
+
+from arctic_rl.batch import build_grpo_batch  # noqa: E402
 from arctic_rl.client import SyncArcticRLClient, attach_arctic_rl_client, create_arctic_rl_client  # noqa: E402
 from arctic_rl.config import ArcticRLClientConfig  # noqa: E402
 from arctic_rl.errors import BatchValidationError, ConfigError, EngineError, EngineStateError  # noqa: E402
-from ray_helpers import retry_start  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 FAKES = {
@@ -61,7 +63,10 @@ def local_ray() -> Iterator[None]:
 
 def start(config: ArcticRLClientConfig, **kwargs: Any) -> SyncArcticRLClient:
     client = create_arctic_rl_client(
-        config, blocking_calls=True, engine_classes=kwargs.pop("engine_classes", FAKES), placement_overrides=CPU_SLOTS,
+        config,
+        blocking_calls=True,
+        engine_classes=kwargs.pop("engine_classes", FAKES),
+        placement_overrides=CPU_SLOTS,
         **kwargs,
     )
     assert isinstance(client, SyncArcticRLClient)
@@ -96,32 +101,7 @@ def assert_nothing_left(pids: list[int]) -> None:
 
 
 def grpo_batch(prompts: list[list[int]], samples: list[list[dict[str, Any]]], rewards: torch.Tensor) -> dict[str, Any]:
-    """The seed's padded layout from generate() output (prompts left-padded, responses right-padded)."""
-    width = max(len(p) for p in prompts)
-    length = max(len(s["token_ids"]) for group in samples for s in group)
-    rows, masks, responses, response_masks, rollout, advantages = [], [], [], [], [], []
-    for prompt, group, group_rewards in zip(prompts, samples, rewards, strict=True):
-        normalised = (group_rewards - group_rewards.mean()) / (group_rewards.std() + 1e-6)
-        for sample, advantage in zip(group, normalised, strict=True):
-            tokens = sample["token_ids"]
-            pad = width - len(prompt)
-            tail = length - len(tokens)
-            rows.append([0] * pad + prompt + tokens + [0] * tail)
-            masks.append([0] * pad + [1] * (len(prompt) + len(tokens)) + [0] * tail)
-            responses.append(tokens + [0] * tail)
-            response_masks.append([1] * len(tokens) + [0] * tail)
-            rollout.append(sample["logprobs"] + [0.0] * tail)
-            advantages.append(float(advantage))
-    rollout_log_probs = torch.tensor(rollout, dtype=torch.float32)
-    return {
-        "input_ids": torch.tensor(rows),
-        "attention_mask": torch.tensor(masks),
-        "responses": torch.tensor(responses),
-        "response_mask": torch.tensor(response_masks),
-        "old_log_probs": rollout_log_probs.clone(),
-        "rollout_log_probs": rollout_log_probs,
-        "advantages": torch.tensor(advantages, dtype=torch.float32)[:, None].expand(-1, length).contiguous(),
-    }
+    return build_grpo_batch(prompts, samples, rewards.tolist(), pad_token_id=0)
 
 
 def test_http_is_refused_at_creation_saying_it_is_the_next_issue() -> None:
@@ -223,7 +203,7 @@ def test_too_few_prompt_groups_for_the_ranks_is_a_clear_error(local_ray: None) -
     with start(make_config(training_gpus=2)) as client:
         samples = client.generate([[1, 2, 3]], {"n": 4, "max_tokens": 3})
         batch = grpo_batch([[1, 2, 3]], samples, torch.rand(1, 4, dtype=torch.float64))
-        with pytest.raises(BatchValidationError, match="1 distinct prompts.*2 data-parallel ranks"):
+        with pytest.raises(BatchValidationError, match=r"1 distinct prompts.*2 data-parallel ranks"):
             client.fwd_bwd(batch)
         assert client.describe()["step"] == 0
 

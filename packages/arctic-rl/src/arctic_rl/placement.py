@@ -264,8 +264,9 @@ def _plan_colocated(request: PlacementRequest, fills: list[_NodeFill]) -> None:
             continue
         if sampling_here % tp:
             raise PlacementError(
-                f"a colocated layout puts {sampling_here} sampling devices on node {fill.node.node_id[:8]}, which would "
-                f"split a tensor-parallel group of {tp} across nodes (the cluster has {_describe(request, fills)}). "
+                f"a colocated layout puts {sampling_here} sampling devices on node {fill.node.node_id[:8]}, which "
+                f"would split a tensor-parallel group of {tp} across nodes (the cluster has "
+                f"{_describe(request, fills)}). "
                 "Pick a tensor_parallel_size that divides the devices per node, or sampling_gpus that fill whole nodes."
             )
         for offset in range(take):
@@ -390,7 +391,7 @@ def place(request: PlacementRequest, *, timeout_s: float = 120.0, name_prefix: s
                     bundle_label_selector=[{_NODE_ID_LABEL: group.node_id} for _ in group.bundles],
                 )
             )
-        ready, pending = ray.wait([pg.ready() for pg in created], num_returns=len(created), timeout=timeout_s)
+        _, pending = ray.wait([pg.ready() for pg in created], num_returns=len(created), timeout=timeout_s)
         if pending:
             raise PlacementError(
                 f"{len(pending)} of {len(created)} placement groups were not ready after {timeout_s:.0f} s "

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from arctic_rl.batch import select_rows
 from arctic_rl.errors import ArcticRLError, BatchValidationError, ConfigError, EngineError, EngineStateError
+from arctic_rl.metrics import StepTimer, logprob_mismatch, tokens_per_second
 
 if TYPE_CHECKING:
     from arctic_rl.actors import EngineHandle
@@ -29,7 +31,6 @@ __all__ = [
     "SERVICE_NAMESPACE",
     "RLService",
     "attach_service",
-    "mismatch_metrics",
     "split_for_data_parallel",
     "start_service",
 ]
@@ -60,31 +61,6 @@ def split_for_data_parallel(batch: Mapping[str, torch.Tensor], num_ranks: int) -
             f"rank needs at least one whole prompt group. Send at least {num_ranks} prompts per step.",
         )
     return partition_for_data_parallel(groups, num_ranks)
-
-
-def _select(batch: Mapping[str, torch.Tensor], samples: Sequence[int]) -> dict[str, torch.Tensor]:
-    index = torch.tensor(list(samples), dtype=torch.long)
-    return {key: value.index_select(0, index) for key, value in batch.items()}
-
-
-def mismatch_metrics(
-    trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """Train/inference mismatch on the step's response tokens: mean and max |sampler - trainer| log-prob, and the
-    KL(sampler || trainer) estimated on the sampled tokens (k3, non-negative)."""
-    mask = response_mask.to(torch.bool)
-    if not bool(mask.any()):
-        return {"mismatch/abs_mean": 0.0, "mismatch/abs_max": 0.0, "mismatch/kl": 0.0}
-    trainer = trainer_log_probs.to(torch.float64)[mask]
-    sampler = sampler_log_probs.to(torch.float64)[mask]
-    difference = (sampler - trainer).abs()
-    log_ratio = trainer - sampler
-    kl = torch.expm1(log_ratio) - log_ratio
-    return {
-        "mismatch/abs_mean": float(difference.mean()),
-        "mismatch/abs_max": float(difference.max()),
-        "mismatch/kl": float(kl.mean()),
-    }
 
 
 def _parse_processing(processing: Mapping[str, Any] | None) -> tuple[str, dict[str, Any]]:
@@ -133,6 +109,7 @@ class RLService:
         self.vocab_size: int | None = None
         self.step_count = 0
         self.sleeping = {"training": False, "log_prob": False, "sampling": False}
+        self._timer = StepTimer()
         self._step_metrics: dict[str, float] = {}
         self._last_step_metrics: dict[str, float] = {}
         self._closed = False
@@ -216,14 +193,14 @@ class RLService:
         for handle in handles:
             try:
                 stops.append(handle.actor.stop.remote())
-            except Exception:  # noqa: S112 - an actor that is already gone has nothing to stop
+            except Exception:  # an actor that is already gone has nothing to stop
                 continue
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=30)
         for handle in handles:
             try:
                 ray.kill(handle.actor, no_restart=True)
-            except Exception:  # noqa: S112 - already dead
+            except Exception:  # already dead
                 continue
         if self.placement is not None:
             self.placement.remove()
@@ -263,7 +240,9 @@ class RLService:
         return [self._get(handle, reference) for handle, reference in references]
 
     def _call_each(self, calls: Sequence[tuple[EngineHandle, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        references = [(handle, handle.actor.call.remote(method, *args, **kwargs)) for handle, method, args, kwargs in calls]
+        references = [
+            (handle, handle.actor.call.remote(method, *args, **kwargs)) for handle, method, args, kwargs in calls
+        ]
         return [self._get(handle, reference) for handle, reference in references]
 
     def _require_awake(self, role: str, operation: str) -> None:
@@ -288,7 +267,8 @@ class RLService:
             )
         if not isinstance(sampling_params, Mapping):
             raise ConfigError(
-                "sampling_params must be a dict with vLLM SamplingParams field names (n, max_tokens, temperature, ...), "
+                "sampling_params must be a dict with vLLM SamplingParams field names (n, max_tokens, temperature, "
+                "...), "
                 f"got {type(sampling_params).__name__}."
             )
         self._require_awake("sampling", "generate()")
@@ -300,12 +280,11 @@ class RLService:
             for i, handle in enumerate(self.sampling)
             if bounds[i + 1] > bounds[i]
         ]
-        start = time.perf_counter()
-        results = self._call_each(calls)
-        elapsed = time.perf_counter() - start
+        with self._timer.phase("generate"):
+            results = self._call_each(calls)
         outputs = [samples for chunk in results for samples in chunk]
         tokens = sum(len(sample["token_ids"]) for samples in outputs for sample in samples)
-        self._add_metrics({"time/generate_s": elapsed, "tokens/generated": tokens})
+        self._add_metrics({"tokens/generated": tokens})
         return outputs
 
     def _validated(self, batch: Mapping[str, Any], require: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -331,19 +310,18 @@ class RLService:
         valid = self._validated(batch, require=())
         self._require_awake(role, "fwd_no_grad()")
         shares = split_for_data_parallel(valid, len(handles))
-        start = time.perf_counter()
-        results = self._call_each(
-            [
-                (
-                    handle,
-                    "fwd_no_grad",
-                    (_select(valid, share),),
-                    {"calculate_entropy": calculate_entropy, "temperature": temperature},
-                )
-                for handle, share in zip(handles, shares, strict=True)
-            ]
-        )
-        self._add_metrics({"time/log_prob_s": time.perf_counter() - start})
+        with self._timer.phase("log_prob"):
+            results = self._call_each(
+                [
+                    (
+                        handle,
+                        "fwd_no_grad",
+                        (select_rows(valid, share),),
+                        {"calculate_entropy": calculate_entropy, "temperature": temperature},
+                    )
+                    for handle, share in zip(handles, shares, strict=True)
+                ]
+            )
         output: dict[str, torch.Tensor] = {}
         for share, result in zip(shares, results, strict=True):
             index = torch.tensor(share, dtype=torch.long)
@@ -353,7 +331,7 @@ class RLService:
                 output[key][index] = value
         if not reference_model and "rollout_log_probs" in valid and "logprobs" in output:
             self._step_metrics.update(
-                mismatch_metrics(output["logprobs"], valid["rollout_log_probs"], valid["response_mask"])
+                logprob_mismatch(valid["rollout_log_probs"], output["logprobs"], valid["response_mask"])
             )
         return output
 
@@ -374,21 +352,20 @@ class RLService:
             "global_tokens": global_tokens,
             "global_sequences": global_sequences,
         }
-        start = time.perf_counter()
-        results = self._call_each(
-            [
-                (handle, "fwd_bwd", (_select(valid, share),), kwargs)
-                for handle, share in zip(self.training, shares, strict=True)
-            ]
-        )
-        elapsed = time.perf_counter() - start
+        with self._timer.phase("train"):
+            results = self._call_each(
+                [
+                    (handle, "fwd_bwd", (select_rows(valid, share),), kwargs)
+                    for handle, share in zip(self.training, shares, strict=True)
+                ]
+            )
         # Every rank's loss and metrics are its share of the global mean: the step's values are their sums.
         loss = sum(float(result["loss"]) for result in results)
         metrics: dict[str, float] = {}
         for result in results:
             for key, value in result.get("metrics", {}).items():
                 metrics[key] = metrics.get(key, 0.0) + float(value)
-        extra: dict[str, float] = {"time/train_s": elapsed, "tokens/trained": global_tokens}
+        extra: dict[str, float] = {"tokens/trained": global_tokens}
         for key in ("base_tokens", "dedup_tokens"):
             values = [float(result[key]) for result in results if key in result]
             if values:
@@ -399,21 +376,25 @@ class RLService:
     def step(self) -> dict[str, Any]:
         self._require_open()
         self._require_awake("training", "step()")
-        start = time.perf_counter()
-        results = self._call_all(self.training, "step")
-        self._add_metrics({"time/train_s": time.perf_counter() - start})
+        with self._timer.phase("train"):
+            results = self._call_all(self.training, "step")
         self.step_count += 1
         metrics = self._finish_step_metrics()
-        return {"grad_norm": float(results[0]["grad_norm"]), "lr": float(results[0]["lr"]), "step": self.step_count,
-                "metrics": metrics}
+        return {
+            "grad_norm": float(results[0]["grad_norm"]),
+            "lr": float(results[0]["lr"]),
+            "step": self.step_count,
+            "metrics": metrics,
+        }
 
     def _finish_step_metrics(self) -> dict[str, float]:
-        metrics = dict(self._step_metrics)
-        generated = metrics.get("tokens/generated", 0.0)
-        if metrics.get("time/generate_s", 0.0) > 0:
-            metrics["throughput/generate_tokens_per_s"] = generated / metrics["time/generate_s"]
-        if metrics.get("time/train_s", 0.0) > 0:
-            metrics["throughput/train_tokens_per_s"] = metrics.get("tokens/trained", 0.0) / metrics["time/train_s"]
+        metrics = {**self._step_metrics, **self._timer.metrics()}
+        metrics["throughput/generate_tokens_per_s"] = tokens_per_second(
+            metrics.get("tokens/generated", 0.0), self._timer.seconds("generate")
+        )
+        metrics["throughput/train_tokens_per_s"] = tokens_per_second(
+            metrics.get("tokens/trained", 0.0), self._timer.seconds("train")
+        )
         base, dedup = metrics.get("zorro/base_tokens"), metrics.get("zorro/dedup_tokens")
         if base:
             metrics["zorro/savings"] = 1.0 - (dedup or 0.0) / base
@@ -423,6 +404,7 @@ class RLService:
                 metrics[f"fca/{key}"] = sum(float(s.get(key, 0.0)) for s in stats)
         self._last_step_metrics = metrics
         self._step_metrics = {}
+        self._timer.reset()
         return metrics
 
     def last_step_metrics(self) -> dict[str, float]:
@@ -437,20 +419,20 @@ class RLService:
         self._require_awake("training", "sync_weights()")
         self._require_awake("sampling", "sync_weights()")
         method = self.config.resolved_weight_sync()
-        start = time.perf_counter()
         if method != "object_store":
             raise ConfigError(
-                f"weight_sync.method={method!r} is not wired into the service yet; use weight_sync.method='object_store'."
+                f"weight_sync.method={method!r} is not wired into the service yet; use "
+                "weight_sync.method='object_store'."
             )
         # Every training rank gathers (collective under ZeRO-3); rank 0's full tensors go to the object store once
         # and each replica reads them from there.
-        gathered = self._call_all(self.training, "iter_full_parameters")
-        reference = ray.put(gathered[0])
-        del gathered
-        self._call_each([(handle, "update_weights", (reference,), {}) for handle in self.sampling])
-        elapsed = time.perf_counter() - start
-        self._add_metrics({"time/sync_s": elapsed})
-        return {"time_s": elapsed}
+        start = time.perf_counter()
+        with self._timer.phase("sync"):
+            gathered = self._call_all(self.training, "iter_full_parameters")
+            reference = ray.put(gathered[0])
+            del gathered
+            self._call_each([(handle, "update_weights", (reference,), {}) for handle in self.sampling])
+        return {"time_s": time.perf_counter() - start}
 
     def weight_norm(self) -> dict[str, float]:
         self._require_open()
@@ -489,6 +471,7 @@ class RLService:
         self.step_count = int(loaded[0])
         self.sync_weights()
         self._step_metrics = {}
+        self._timer.reset()
         return self.step_count
 
     def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
@@ -496,8 +479,9 @@ class RLService:
         self._require_open()
         if isinstance(prompts, str) or isinstance(completions, str) or len(prompts) != len(completions):
             raise ConfigError(
-                "log_probs takes two lists of strings of the same length (prompts[i] is scored with completions[i]), "
-                f"got {type(prompts).__name__} of {len(prompts)} and {type(completions).__name__} of {len(completions)}."
+                "log_probs takes two lists of strings of the same length (prompts[i] is scored with "
+                f"completions[i]), got {type(prompts).__name__} of {len(prompts)} and "
+                f"{type(completions).__name__} of {len(completions)}."
             )
         self._require_awake("sampling", "log_probs()")
         tokenizer = self._tokenizer()
@@ -575,8 +559,9 @@ def start_service(
     actor_class = ray.remote(RLService)
     handle = actor_class.options(
         name=name, namespace=SERVICE_NAMESPACE, num_cpus=0, max_restarts=0, max_concurrency=1
-    ).remote(config, engine_classes=engine_classes, placement_overrides=placement_overrides,
-             start_timeout_s=start_timeout_s)
+    ).remote(
+        config, engine_classes=engine_classes, placement_overrides=placement_overrides, start_timeout_s=start_timeout_s
+    )
     try:
         ray.get(handle.start.remote())
     except BaseException as error:
