@@ -74,9 +74,8 @@ def start(config: ArcticRLClientConfig, **kwargs: Any) -> SyncArcticRLClient:
 
 
 def alive_actors() -> list[Any]:
-    from ray.util.state import list_actors
-
-    return list_actors(filters=[("state", "=", "ALIVE")])
+    # The GCS's actor table (the state API needs the dashboard, which the tests do not start).
+    return [actor for actor in ray._private.state.actors().values() if actor["State"] != "DEAD"]
 
 
 def live_placement_groups() -> list[str]:
@@ -133,6 +132,7 @@ def test_grpo_steps_match_a_single_process_reference(local_ray: None, tmp_path: 
             mask = batch["response_mask"].double()
             expected = -(batch["advantages"].double() * response_log_probs(weights, batch) * mask).sum() / mask.sum()
             expected.backward()
+            expected = expected.detach()
             assert result["loss"] == pytest.approx(float(expected), rel=1e-12, abs=1e-12)
             assert result["metrics"]["tokens_share"] == pytest.approx(1.0)
             stepped = client.step()
@@ -140,7 +140,7 @@ def test_grpo_steps_match_a_single_process_reference(local_ray: None, tmp_path: 
             assert stepped["step"] == step + 1 and stepped["lr"] == LR
             assert stepped["grad_norm"] == pytest.approx(float(weights.grad.norm()), rel=1e-12)
             metrics = stepped["metrics"]
-            assert metrics["time/generate_s"] > 0 and metrics["time/train_s"] > 0
+            assert metrics["time/generate"] > 0 and metrics["time/train"] > 0
             assert metrics["mismatch/abs_max"] < 1e-6 and metrics["mismatch/kl"] < 1e-10
             assert metrics["throughput/generate_tokens_per_s"] > 0
             norms = client.weight_norm()
@@ -224,11 +224,13 @@ def test_a_killed_engine_is_named_and_shutdown_leaves_nothing(local_ray: None) -
     client = start(make_config(training_gpus=2))
     pids = [engine["pid"] for engine in client.describe()["engines"].values()]
     victim = client.describe()["engines"]["training[1]"]["pid"]
-    os.kill(victim, signal.SIGKILL)
-    with pytest.raises(EngineError, match=r"training\[1\]") as raised:
-        client.step()
-    assert raised.value.engine == "training[1]"
-    client.shutdown()
+    try:
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(EngineError, match=r"training\[1\]") as raised:
+            client.step()
+        assert raised.value.engine == "training[1]"
+    finally:
+        client.shutdown()
     assert_nothing_left(pids)
 
 

@@ -237,13 +237,31 @@ class RLService:
     def _call_all(self, handles: Sequence[EngineHandle], method: str, *args: Any, **kwargs: Any) -> list[Any]:
         # Launch on every rank before waiting on any: collective operations need all ranks inside them.
         references = [(handle, handle.actor.call.remote(method, *args, **kwargs)) for handle in handles]
-        return [self._get(handle, reference) for handle, reference in references]
+        return self._gather(references)
 
     def _call_each(self, calls: Sequence[tuple[EngineHandle, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
         references = [
             (handle, handle.actor.call.remote(method, *args, **kwargs)) for handle, method, args, kwargs in calls
         ]
-        return [self._get(handle, reference) for handle, reference in references]
+        return self._gather(references)
+
+    def _gather(self, references: Sequence[tuple[EngineHandle, Any]]) -> list[Any]:
+        """Results of calls on several engines. When one engine dies, its peers in a collective fail too (their
+        connection resets): wait for every call and report the dead engine rather than the first peer to fail."""
+        import ray
+
+        ray.wait([reference for _, reference in references], num_returns=len(references))
+        results: list[Any] = []
+        errors: list[EngineError | ArcticRLError] = []
+        for handle, reference in references:
+            try:
+                results.append(self._get(handle, reference))
+            except ArcticRLError as error:
+                errors.append(error)
+        if errors:
+            dead = [error for error in errors if isinstance(error, EngineError) and "actor process died" in str(error)]
+            raise (dead or errors)[0]
+        return results
 
     def _require_awake(self, role: str, operation: str) -> None:
         if self.sleeping[role]:
