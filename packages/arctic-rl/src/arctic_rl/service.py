@@ -293,7 +293,7 @@ class RLService:
         replicas = len(self.sampling)
         # Contiguous chunks, one per replica, keep the output in prompt order when concatenated.
         bounds = [round(i * len(prompts) / replicas) for i in range(replicas + 1)]
-        calls = [
+        calls: list[tuple[EngineHandle, str, tuple[Any, ...], dict[str, Any]]] = [
             (handle, "generate", (list(prompts[bounds[i] : bounds[i + 1]]), dict(sampling_params)), {})
             for i, handle in enumerate(self.sampling)
             if bounds[i + 1] > bounds[i]
