@@ -1,0 +1,154 @@
+"""Ray actors around the plain engine classes: one actor per training / log-prob rank and per sampling replica.
+
+An actor is created empty on its placement bundle and builds its engine in :meth:`EngineActor.start`, so the service
+can first ask rank 0 for the rendezvous address (its node's IP and a free port) and then start every data-parallel
+rank at once (DeepSpeed's process group forms only when all ranks join). Environment variables that vLLM and
+DeepSpeed read at import time travel in the actor's ``runtime_env`` so they exist before the engine module imports
+them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from arctic_rl.errors import EngineError
+
+if TYPE_CHECKING:
+    from arctic_rl.config import ArcticRLClientConfig
+    from arctic_rl.placement import Placement, Role, WorkerSlot
+
+__all__ = [
+    "DEFAULT_ENGINE_CLASSES",
+    "EngineActor",
+    "EngineHandle",
+    "engine_environment",
+    "launch_engine_actor",
+]
+
+# "module:Class" of each role's engine; the service accepts overrides (tests run the cluster with small fakes).
+DEFAULT_ENGINE_CLASSES: dict[str, str] = {
+    "training": "arctic_rl.engines.training:TrainingEngine",
+    "log_prob": "arctic_rl.engines.log_prob:LogProbEngine",
+    "sampling": "arctic_rl.engines.sampling:SamplingEngine",
+}
+
+
+def _load_class(path: str) -> type:
+    module_name, _, class_name = path.partition(":")
+    if not class_name:
+        raise ValueError(f"an engine class is written 'module:Class', got {path!r}.")
+    return getattr(importlib.import_module(module_name), class_name)  # type: ignore[no-any-return]
+
+
+def engine_environment(config: ArcticRLClientConfig, role: Role, slot: WorkerSlot | None = None) -> dict[str, str]:
+    """Environment variables the role's engine needs before its libraries are imported."""
+    environment = {"TOKENIZERS_PARALLELISM": "false"}
+    cpu = config.resolved_device() == "cpu"
+    if role in ("training", "log_prob") and cpu:
+        environment["DS_ACCELERATOR"] = "cpu"
+    if role == "sampling":
+        if cpu:
+            # In-process engine: the CPU build cannot pass tensors to a separate engine process (facts.md).
+            environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            space = config.sampling.kv_cache_space_gib
+            environment["VLLM_CPU_KVCACHE_SPACE"] = str(int(space) if space is not None and space >= 1 else 1)
+        elif slot is not None and len(slot.bundle_indices) > 1:
+            # A colocated tensor-parallel replica spreads its vLLM workers over the bundles of its devices.
+            environment["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(index) for index in slot.bundle_indices)
+        if config.fca.enable:
+            environment.update(config.fca.environment())
+    return environment
+
+
+class EngineActor:
+    """Holds one engine; ``call`` runs one of its methods. Exceptions raised by the engine pass through unchanged
+    (arctic-rl's errors pickle); anything else is wrapped in ``EngineError`` naming the engine."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.engine: Any = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            return int(probe.getsockname()[1])
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def start(self, engine_class: str, config: ArcticRLClientConfig, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            self.engine = _load_class(engine_class)(config, **kwargs)
+        except Exception as error:
+            raise _as_engine_error(self.name, "failed to start", error) from None
+        return {"pid": os.getpid(), "vocab_size": getattr(self.engine, "vocab_size", None)}
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is None:
+            raise EngineError(self.name, f"was not started; cannot run {method}().")
+        try:
+            result = getattr(self.engine, method)(*args, **kwargs)
+            # Generators (iter_full_parameters) cannot leave the actor: materialise them here.
+            if hasattr(result, "__next__"):
+                result = list(result)
+            return result
+        except Exception as error:
+            raise _as_engine_error(self.name, f"{method}() failed", error) from None
+
+    def get(self, attribute: str) -> Any:
+        return getattr(self.engine, attribute)
+
+    def stop(self) -> None:
+        engine, self.engine = self.engine, None
+        close = getattr(engine, "shutdown", None) or getattr(engine, "close", None)
+        if close is not None:
+            close()
+
+
+def _as_engine_error(name: str, what: str, error: Exception) -> Exception:
+    from arctic_rl.errors import ArcticRLError
+
+    if isinstance(error, ArcticRLError):
+        return error
+    detail = "".join(traceback.format_exception_only(type(error), error)).strip()
+    return EngineError(name, f"{what}: {detail}")
+
+
+@dataclass
+class EngineHandle:
+    """An engine actor as the service sees it: the Ray handle, its name (``training[0]``), role, rank and pid."""
+
+    name: str
+    role: Role
+    rank: int
+    actor: Any
+    pid: int | None = None
+
+
+def launch_engine_actor(
+    placement: Placement, slot: WorkerSlot, config: ArcticRLClientConfig, *, env: Mapping[str, str] | None = None
+) -> EngineHandle:
+    """Create the (empty) actor of one worker on its bundle, with its environment."""
+    import ray
+
+    name = f"{slot.role}[{slot.rank}]"
+    environment = engine_environment(config, slot.role, slot)
+    if env:
+        environment.update(env)
+    options = placement.actor_options(slot)
+    remote_class = ray.remote(EngineActor)
+    actor = remote_class.options(
+        **options, runtime_env={"env_vars": environment}, max_restarts=0, max_concurrency=1
+    ).remote(name)
+    return EngineHandle(name=name, role=slot.role, rank=slot.rank, actor=actor)

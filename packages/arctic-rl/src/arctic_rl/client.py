@@ -1,0 +1,307 @@
+"""The thin client: ``create_arctic_rl_client(config)`` and the async / blocking clients over the service actor.
+
+The client imports only Ray, torch and pydantic: DeepSpeed, vLLM and transformers live in the engines' processes, so
+an RL framework drives the engines from its own environment. Every operation is forwarded to the service
+(:mod:`arctic_rl.service`), which validates before it changes anything; errors come back as arctic-rl's own
+exceptions (``BatchValidationError``, ``EngineError`` naming the engine, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from arctic_rl.errors import ArcticRLError, ConfigError, EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+    from arctic_rl.config import ArcticRLClientConfig
+
+__all__ = ["ArcticRLClient", "SyncArcticRLClient", "attach_arctic_rl_client", "create_arctic_rl_client"]
+
+
+def _raise_from_ray(error: BaseException) -> None:
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(error, RayTaskError) and isinstance(error.cause, ArcticRLError):
+        raise error.cause from None
+    if isinstance(error, RayActorError):
+        raise EngineError(
+            "service", f"the arctic-rl service actor died ({type(error).__name__}); create a new client."
+        ) from None
+    raise error
+
+
+class _ClientBase:
+    def __init__(self, service: Any, *, owns_service: bool, owns_ray: bool) -> None:
+        self._service = service
+        self._owns_service = owns_service
+        self._owns_ray = owns_ray
+        self._closed = False
+
+    def _remote(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise ArcticRLError("this client was shut down; create a new one with create_arctic_rl_client(config).")
+        return getattr(self._service, op).remote(*args, **kwargs)
+
+    def _close(self) -> Any:
+        """Ask the service to stop its engines; returns the reference to wait on (or None)."""
+        if self._closed:
+            return None
+        self._closed = True
+        return self._service.shutdown.remote() if self._owns_service else None
+
+    def _release(self) -> None:
+        import ray
+
+        if self._owns_service:
+            ray.kill(self._service, no_restart=True)
+        if self._owns_ray:
+            ray.shutdown()
+
+
+class ArcticRLClient(_ClientBase):
+    """Async client: every operation is a coroutine (``await client.generate(...)``); ``async with`` shuts down."""
+
+    async def _run(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await self._remote(op, *args, **kwargs)
+        except ArcticRLError:
+            raise
+        except Exception as error:
+            _raise_from_ray(error)
+
+    async def generate(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]
+    ) -> list[list[dict[str, Any]]]:
+        return await self._run("generate", prompts, sampling_params)  # type: ignore[no-any-return]
+
+    async def fwd_no_grad(
+        self, batch: Mapping[str, Any], reference_model: bool = False, calculate_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        return await self._run("fwd_no_grad", batch, reference_model, calculate_entropy)  # type: ignore[no-any-return]
+
+    async def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return await self._run("fwd_bwd", batch, processing)  # type: ignore[no-any-return]
+
+    async def step(self) -> dict[str, Any]:
+        return await self._run("step")  # type: ignore[no-any-return]
+
+    async def sync_weights(self) -> dict[str, float]:
+        return await self._run("sync_weights")  # type: ignore[no-any-return]
+
+    async def sleep_inference(self, level: int = 1) -> None:
+        await self._run("sleep_inference", level)
+
+    async def wake_inference(self, tags: Sequence[str] | None = None) -> None:
+        await self._run("wake_inference", tags)
+
+    async def sleep_training(self, mode: str = "all") -> None:
+        await self._run("sleep_training", mode)
+
+    async def wake_training(self) -> None:
+        await self._run("wake_training")
+
+    async def sleep_log_prob(self) -> None:
+        await self._run("sleep_log_prob")
+
+    async def wake_log_prob(self) -> None:
+        await self._run("wake_log_prob")
+
+    async def empty_training_cache(self) -> None:
+        await self._run("empty_training_cache")
+
+    async def reset_prefix_cache(self) -> None:
+        await self._run("reset_prefix_cache")
+
+    async def save_checkpoint(
+        self, path: str | None = None, step: int | None = None, *, keep_last: int | None = None, hf_export: bool = False
+    ) -> str:
+        return await self._run("save_checkpoint", path, step, keep_last=keep_last, hf_export=hf_export)  # type: ignore[no-any-return]
+
+    async def load_checkpoint(self, path: str | None = None, step: int | None = None) -> int:
+        return await self._run("load_checkpoint", path, step)  # type: ignore[no-any-return]
+
+    async def weight_norm(self) -> dict[str, float]:
+        return await self._run("weight_norm")  # type: ignore[no-any-return]
+
+    async def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
+        return await self._run("log_probs", prompts, completions)  # type: ignore[no-any-return]
+
+    async def last_step_metrics(self) -> dict[str, float]:
+        return await self._run("last_step_metrics")  # type: ignore[no-any-return]
+
+    async def describe(self) -> dict[str, Any]:
+        return await self._run("describe")  # type: ignore[no-any-return]
+
+    async def shutdown(self) -> None:
+        """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it."""
+        reference = self._close()
+        try:
+            if reference is not None:
+                await reference
+        finally:
+            self._release()
+
+    async def __aenter__(self) -> ArcticRLClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+
+class SyncArcticRLClient(_ClientBase):
+    """Blocking client: the same operations as ``ArcticRLClient``, returning their results; ``with`` shuts down."""
+
+    def _run(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(self._remote(op, *args, **kwargs))
+        except ArcticRLError:
+            raise
+        except Exception as error:
+            _raise_from_ray(error)
+
+    def generate(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]
+    ) -> list[list[dict[str, Any]]]:
+        return self._run("generate", prompts, sampling_params)  # type: ignore[no-any-return]
+
+    def fwd_no_grad(
+        self, batch: Mapping[str, Any], reference_model: bool = False, calculate_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        return self._run("fwd_no_grad", batch, reference_model, calculate_entropy)  # type: ignore[no-any-return]
+
+    def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self._run("fwd_bwd", batch, processing)  # type: ignore[no-any-return]
+
+    def step(self) -> dict[str, Any]:
+        return self._run("step")  # type: ignore[no-any-return]
+
+    def sync_weights(self) -> dict[str, float]:
+        return self._run("sync_weights")  # type: ignore[no-any-return]
+
+    def sleep_inference(self, level: int = 1) -> None:
+        self._run("sleep_inference", level)
+
+    def wake_inference(self, tags: Sequence[str] | None = None) -> None:
+        self._run("wake_inference", tags)
+
+    def sleep_training(self, mode: str = "all") -> None:
+        self._run("sleep_training", mode)
+
+    def wake_training(self) -> None:
+        self._run("wake_training")
+
+    def sleep_log_prob(self) -> None:
+        self._run("sleep_log_prob")
+
+    def wake_log_prob(self) -> None:
+        self._run("wake_log_prob")
+
+    def empty_training_cache(self) -> None:
+        self._run("empty_training_cache")
+
+    def reset_prefix_cache(self) -> None:
+        self._run("reset_prefix_cache")
+
+    def save_checkpoint(
+        self, path: str | None = None, step: int | None = None, *, keep_last: int | None = None, hf_export: bool = False
+    ) -> str:
+        return self._run("save_checkpoint", path, step, keep_last=keep_last, hf_export=hf_export)  # type: ignore[no-any-return]
+
+    def load_checkpoint(self, path: str | None = None, step: int | None = None) -> int:
+        return self._run("load_checkpoint", path, step)  # type: ignore[no-any-return]
+
+    def weight_norm(self) -> dict[str, float]:
+        return self._run("weight_norm")  # type: ignore[no-any-return]
+
+    def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
+        return self._run("log_probs", prompts, completions)  # type: ignore[no-any-return]
+
+    def last_step_metrics(self) -> dict[str, float]:
+        return self._run("last_step_metrics")  # type: ignore[no-any-return]
+
+    def describe(self) -> dict[str, Any]:
+        return self._run("describe")  # type: ignore[no-any-return]
+
+    def shutdown(self) -> None:
+        """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it."""
+        import ray
+
+        reference = self._close()
+        try:
+            if reference is not None:
+                ray.get(reference)
+        finally:
+            self._release()
+
+    def __enter__(self) -> SyncArcticRLClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def _connect_ray(ray_address: str | None) -> bool:
+    """Attach to Ray (``ray_address``, else ``RAY_ADDRESS`` or a new local instance); True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address=ray_address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    return True
+
+
+def create_arctic_rl_client(
+    config: ArcticRLClientConfig,
+    *,
+    blocking_calls: bool = False,
+    service_name: str = "arctic_rl_service",
+    engine_classes: Mapping[str, str] | None = None,
+    placement_overrides: Mapping[str, Any] | None = None,
+) -> ArcticRLClient | SyncArcticRLClient:
+    """Start (or attach to) Ray, place and start the engines, and return a client.
+
+    ``blocking_calls=False`` gives the async ``ArcticRLClient``; ``True`` the blocking ``SyncArcticRLClient``.
+    ``service_name`` names the service actor (another process attaches with ``attach_arctic_rl_client``);
+    ``engine_classes`` (``{"training": "module:Class", ...}``) and ``placement_overrides`` (``PlacementRequest``
+    fields, e.g. ``cpus_per_cpu_worker``) are for tests and unusual clusters.
+    """
+    from arctic_rl.config import ArcticRLClientConfig
+    from arctic_rl.service import start_service
+
+    if not isinstance(config, ArcticRLClientConfig):
+        raise ConfigError(f"create_arctic_rl_client takes an ArcticRLClientConfig, got {type(config).__name__}.")
+    if config.comm_protocol == "http":
+        raise ConfigError(
+            "comm_protocol='http' is not available yet: the HTTP server and transport are the next issue. "
+            "Use comm_protocol='ray' (the default) for now."
+        )
+    owns_ray = _connect_ray(config.ray_address)
+    try:
+        service = start_service(
+            config, name=service_name, engine_classes=engine_classes, placement_overrides=placement_overrides
+        )
+    except BaseException:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+        raise
+    client_class = SyncArcticRLClient if blocking_calls else ArcticRLClient
+    return client_class(service, owns_service=True, owns_ray=owns_ray)
+
+
+def attach_arctic_rl_client(
+    *, ray_address: str | None = None, service_name: str = "arctic_rl_service", blocking_calls: bool = False
+) -> ArcticRLClient | SyncArcticRLClient:
+    """A client on a service another process started (same Ray cluster); its ``shutdown`` leaves the service up."""
+    from arctic_rl.service import attach_service
+
+    owns_ray = _connect_ray(ray_address)
+    service = attach_service(service_name)
+    client_class = SyncArcticRLClient if blocking_calls else ArcticRLClient
+    return client_class(service, owns_service=False, owns_ray=owns_ray)

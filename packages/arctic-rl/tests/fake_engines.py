@@ -1,0 +1,218 @@
+"""Small stand-ins for the engines, with the engines' method names, so the cluster layer (placement, actors,
+service, client) is tested without DeepSpeed or vLLM.
+
+The "model" is a bigram table ``weights [V, V]`` (fp64): the log-prob of token t after token p is
+``log_softmax(weights[p] / temperature)[t]``. The training engine is a real data-parallel rank: gradients are summed
+over ranks with a gloo all-reduce through the rendezvous address the service hands out, so the service's batch split
+and loss denominators are checked against a single-process computation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from arctic_rl.errors import EngineStateError
+
+VOCAB = 16
+
+
+def initial_weights(seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, VOCAB, generator=generator, dtype=torch.float64)
+
+
+def response_log_probs(
+    weights: torch.Tensor, batch: Mapping[str, torch.Tensor], temperature: float = 1.0
+) -> torch.Tensor:
+    """[B, R] log-probs of the responses (0 where response_mask is 0): each token after the one before it."""
+    responses = batch["responses"].long()
+    width = responses.shape[1]
+    previous = batch["input_ids"][:, -width - 1 : -1].long()
+    table = torch.log_softmax(weights / temperature, dim=-1)
+    values = table[previous, responses]
+    return values * batch["response_mask"].to(values.dtype)
+
+
+class FakeTrainingEngine:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        role: str = "training",
+    ) -> None:
+        self.rank, self.world_size, self.name = rank, world_size, f"{role}[{rank}]"
+        self.vocab_size = VOCAB
+        self.step_count = 0
+        self.is_sleeping = False
+        self.lr = config.training.lr
+        self.weights = initial_weights(config.seed).requires_grad_(True)
+        self.batches_seen: list[int] = []
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
+            )
+
+    def _awake(self, operation: str) -> None:
+        if self.is_sleeping:
+            raise EngineStateError(f"{operation} while sleeping; call wake() first.", engine=self.name)
+
+    def fwd_no_grad(
+        self, batch: Mapping[str, torch.Tensor], *, calculate_entropy: bool = False, temperature: float = 1.0
+    ) -> dict[str, torch.Tensor]:
+        self._awake("fwd_no_grad")
+        with torch.no_grad():
+            return {"logprobs": response_log_probs(self.weights, batch, temperature)}
+
+    def fwd_bwd(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        loss_name: str,
+        loss_config: Mapping[str, Any],
+        global_tokens: float,
+        global_sequences: float,
+    ) -> dict[str, Any]:
+        self._awake("fwd_bwd")
+        self.batches_seen.append(int(batch["input_ids"].shape[0]))
+        log_probs = response_log_probs(self.weights, batch)
+        advantages = batch["advantages"].to(torch.float64)
+        if advantages.dim() == 1:
+            advantages = advantages[:, None]
+        mask = batch["response_mask"].to(torch.float64)
+        loss = -(advantages * log_probs * mask).sum() / global_tokens
+        loss.backward()
+        tokens = float(mask.sum())
+        return {"loss": float(loss), "metrics": {"tokens_share": tokens / global_tokens}, "tokens": tokens}
+
+    def step(self) -> dict[str, float]:
+        self._awake("step")
+        grad = self.weights.grad if self.weights.grad is not None else torch.zeros_like(self.weights)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(grad)
+        with torch.no_grad():
+            self.weights -= self.lr * grad
+        norm = float(grad.norm())
+        self.weights.grad = None
+        self.step_count += 1
+        return {"grad_norm": norm, "lr": self.lr}
+
+    def weight_norm(self) -> float:
+        return float(self.weights.detach().norm())
+
+    def iter_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield "weights", self.weights.detach().clone()
+
+    def sleep(self, mode: str = "all") -> None:
+        self.is_sleeping = True
+
+    def wake(self) -> None:
+        self.is_sleeping = False
+
+    def empty_cache(self) -> None:
+        return None
+
+    def save_checkpoint(self, path: str, step: int, *, keep_last: int | None = None, hf_export: bool = False) -> str:
+        os.makedirs(path, exist_ok=True)
+        target = os.path.join(path, f"step_{step}_rank_{self.rank}.pt")
+        torch.save({"weights": self.weights.detach().clone(), "step": step}, target)
+        with open(os.path.join(path, "latest"), "w") as latest:
+            latest.write(str(step))
+        return target
+
+    def load_checkpoint(self, path: str, step: int | None = None) -> int:
+        if step is None:
+            with open(os.path.join(path, "latest")) as latest:
+                step = int(latest.read())
+        state = torch.load(os.path.join(path, f"step_{step}_rank_{self.rank}.pt"))
+        with torch.no_grad():
+            self.weights.copy_(state["weights"])
+        self.step_count = int(state["step"])
+        return self.step_count
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class FakeSamplingEngine:
+    def __init__(self, config: Any, *, replica: int = 0) -> None:
+        self.weights = initial_weights(config.seed)
+        self.replica = replica
+        self.is_sleeping = False
+        self.prefix_resets = 0
+        self.environment = {key: os.environ.get(key) for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "DS_ACCELERATOR")}
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]] | Sequence[str], sampling_params: Mapping[str, Any]
+    ) -> list[list[dict[str, Any]]]:
+        if self.is_sleeping:
+            raise EngineStateError("generate while sleeping", engine=f"sampling[{self.replica}]")
+        n, max_tokens = int(sampling_params.get("n", 1)), int(sampling_params.get("max_tokens", 4))
+        temperature = float(sampling_params.get("temperature", 1.0))
+        generator = torch.Generator().manual_seed(int(sampling_params.get("seed", 0)))
+        table = torch.log_softmax(self.weights / temperature, dim=-1)
+        outputs = []
+        for prompt in prompts:
+            ids = [ord(c) % VOCAB for c in prompt] if isinstance(prompt, str) else list(prompt)
+            samples = []
+            for _ in range(n):
+                previous, tokens, log_probs = ids[-1], [], []
+                for _ in range(max_tokens):
+                    token = int(torch.multinomial(table[previous].exp(), 1, generator=generator))
+                    tokens.append(token)
+                    log_probs.append(float(table[previous, token]))
+                    previous = token
+                samples.append({"text": "", "token_ids": tokens, "logprobs": log_probs, "finish_reason": "length"})
+            outputs.append(samples)
+        return outputs
+
+    def score(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        completion_token_ids: Sequence[Sequence[int]],
+        *,
+        temperature: float = 1.0,
+    ) -> list[list[float]]:
+        table = torch.log_softmax(self.weights / temperature, dim=-1)
+        scores = []
+        for prompt, completion in zip(prompt_token_ids, completion_token_ids, strict=True):
+            sequence = [*prompt, *completion]
+            scores.append([float(table[sequence[len(prompt) + i - 1], t]) for i, t in enumerate(completion)])
+        return scores
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            assert name == "weights"
+            self.weights = tensor.clone()
+        self.reset_prefix_cache()
+
+    def weight_norm(self) -> float:
+        return float(self.weights.norm())
+
+    def sleep(self, level: int = 1) -> None:
+        self.is_sleeping = True
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        self.is_sleeping = False
+
+    def reset_prefix_cache(self) -> None:
+        self.prefix_resets += 1
+
+    def fca_stats(self) -> dict[str, float]:
+        return {"reads_saved": 3.0}
+
+
+class EngineThatFailsToStart:
+    def __init__(self, config: Any, **kwargs: Any) -> None:
+        raise RuntimeError("cannot load the model: no such directory 'missing-model'")

@@ -1,0 +1,243 @@
+"""The cluster layer (placement, actors, service, client) on a local Ray with small fake engines (fake_engines.py):
+ops forward correctly, the data-parallel split gives the single-process gradient, validation happens before any
+state changes, engine failures name the engine, and shutdown leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from ray_helpers import retry_start  # noqa: E402
+
+from arctic_rl.batch import build_grpo_batch  # noqa: E402
+from arctic_rl.client import SyncArcticRLClient, attach_arctic_rl_client, create_arctic_rl_client  # noqa: E402
+from arctic_rl.config import ArcticRLClientConfig  # noqa: E402
+from arctic_rl.errors import BatchValidationError, ConfigError, EngineError, EngineStateError  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+FAKES = {
+    "training": "fake_engines:FakeTrainingEngine",
+    "log_prob": "fake_engines:FakeTrainingEngine",
+    "sampling": "fake_engines:FakeSamplingEngine",
+}
+CPU_SLOTS = {"cpus_per_cpu_worker": 0.25}
+LR = 0.5
+
+
+def make_config(**overrides: Any) -> ArcticRLClientConfig:
+    fields: dict[str, Any] = {
+        "model_name": "fake-bigram",
+        "device": "cpu",
+        "training_gpus": 2,
+        "sampling_gpus": 1,
+        "training": {"lr": LR},
+    }
+    fields.update(overrides)
+    return ArcticRLClientConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    # The engine actors import fake_engines from this folder: Ray workers inherit the driver's PYTHONPATH.
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), previous]))
+    retry_start(lambda: ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="arctic_rl_tests"))
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if previous is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = previous
+
+
+def start(config: ArcticRLClientConfig, **kwargs: Any) -> SyncArcticRLClient:
+    client = create_arctic_rl_client(
+        config,
+        blocking_calls=True,
+        engine_classes=kwargs.pop("engine_classes", FAKES),
+        placement_overrides=CPU_SLOTS,
+        **kwargs,
+    )
+    assert isinstance(client, SyncArcticRLClient)
+    return client
+
+
+def alive_actors() -> list[Any]:
+    # The GCS's actor table (the state API needs the dashboard, which the tests do not start).
+    return [actor for actor in ray._private.state.actors().values() if actor["State"] != "DEAD"]
+
+
+def live_placement_groups() -> list[str]:
+    return [pg_id for pg_id, entry in ray.util.placement_group_table().items() if entry["state"] != "REMOVED"]
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_nothing_left(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (alive_actors() or any(process_alive(pid) for pid in pids)):
+        time.sleep(0.5)
+    assert alive_actors() == []
+    assert [pid for pid in pids if process_alive(pid)] == []
+    assert live_placement_groups() == []
+
+
+def grpo_batch(prompts: list[list[int]], samples: list[list[dict[str, Any]]], rewards: torch.Tensor) -> dict[str, Any]:
+    return build_grpo_batch(prompts, samples, rewards.tolist(), pad_token_id=0)
+
+
+def test_http_is_refused_at_creation_saying_it_is_the_next_issue() -> None:
+    with pytest.raises(ConfigError, match="next issue"):
+        create_arctic_rl_client(make_config(comm_protocol="http"))
+
+
+@pytest.mark.slow
+def test_grpo_steps_match_a_single_process_reference(local_ray: None, tmp_path: Path) -> None:
+    from fake_engines import initial_weights, response_log_probs
+
+    config = make_config(checkpoint_path=str(tmp_path / "ckpt"))
+    reference = initial_weights(config.seed)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    with start(config) as client:
+        engines = client.describe()["engines"]
+        assert sorted(engines) == ["sampling[0]", "training[0]", "training[1]"]
+        for step in range(3):
+            samples = client.generate(prompts, {"n": 3, "max_tokens": 4, "temperature": 1.0, "seed": step})
+            assert [len(group) for group in samples] == [3] * len(prompts)
+            rewards = torch.rand(len(prompts), 3, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+            batch = grpo_batch(prompts, samples, rewards)
+            # After a sync the trainer scores the sampled tokens exactly as the sampler did.
+            scored = client.fwd_no_grad(batch)["logprobs"]
+            torch.testing.assert_close(scored.float(), batch["rollout_log_probs"], rtol=0, atol=1e-6)
+            result = client.fwd_bwd(batch, {"loss_fn": "grpo", "config": {}})
+            # The two ranks' shares add up to the loss of the whole batch computed in one process.
+            weights = reference.clone().requires_grad_(True)
+            mask = batch["response_mask"].double()
+            expected = -(batch["advantages"].double() * response_log_probs(weights, batch) * mask).sum() / mask.sum()
+            expected.backward()
+            expected = expected.detach()
+            assert result["loss"] == pytest.approx(float(expected), rel=1e-12, abs=1e-12)
+            assert result["metrics"]["tokens_share"] == pytest.approx(1.0)
+            stepped = client.step()
+            reference = (reference - LR * weights.grad).detach()
+            assert stepped["step"] == step + 1 and stepped["lr"] == LR
+            assert stepped["grad_norm"] == pytest.approx(float(weights.grad.norm()), rel=1e-12)
+            metrics = stepped["metrics"]
+            assert metrics["time/generate"] > 0 and metrics["time/train"] > 0
+            assert metrics["mismatch/abs_max"] < 1e-6 and metrics["mismatch/kl"] < 1e-10
+            assert metrics["throughput/generate_tokens_per_s"] > 0
+            norms = client.weight_norm()
+            assert norms["training_norm"] == pytest.approx(float(reference.norm()), rel=1e-12)
+            assert norms["sampling_norm"] != pytest.approx(norms["training_norm"], rel=1e-12)
+            client.sync_weights()
+            norms = client.weight_norm()
+            assert norms["sampling_norm"] == pytest.approx(norms["training_norm"], rel=1e-15)
+        path = client.save_checkpoint()
+        assert path.endswith("step_3_rank_0.pt")
+        # A step's worth of changes, then back to the checkpoint: the next step starts from the saved weights.
+        client.fwd_bwd(batch)
+        client.step()
+        assert client.load_checkpoint() == 3
+        norms = client.weight_norm()
+        assert norms["training_norm"] == pytest.approx(float(reference.norm()), rel=1e-12)
+        assert norms["sampling_norm"] == pytest.approx(norms["training_norm"], rel=1e-15)
+        assert client.describe()["step"] == 3
+
+
+@pytest.mark.slow
+def test_bad_batches_and_wrong_states_change_nothing(local_ray: None) -> None:
+    with start(make_config(training_gpus=1)) as client:
+        prompts = [[1, 2, 3], [4, 5]]
+        samples = client.generate(prompts, {"n": 2, "max_tokens": 3, "seed": 1})
+        batch = grpo_batch(prompts, samples, torch.rand(2, 2, dtype=torch.float64))
+        before = client.weight_norm()
+        bad = dict(batch, advantages=batch["advantages"].clone())
+        bad["advantages"][0, 0] = float("nan")
+        with pytest.raises(BatchValidationError, match="advantages"):
+            client.fwd_bwd(bad)
+        out_of_vocab = dict(batch, input_ids=batch["input_ids"].clone(), responses=batch["responses"].clone())
+        out_of_vocab["responses"][0, 0] = 99
+        out_of_vocab["input_ids"][0, -4] = 99
+        with pytest.raises(BatchValidationError):
+            client.fwd_bwd(out_of_vocab)
+        with pytest.raises(ConfigError, match="no loss named"):
+            client.fwd_bwd(batch, {"loss_fn": "no-such-loss"})
+        client.sleep_training()
+        with pytest.raises(EngineStateError, match="wake_training"):
+            client.fwd_bwd(batch)
+        with pytest.raises(EngineStateError, match="already asleep"):
+            client.sleep_training()
+        client.wake_training()
+        client.sleep_inference(1)
+        with pytest.raises(EngineStateError, match="wake_inference"):
+            client.generate(prompts, {"n": 1})
+        client.wake_inference()
+        with pytest.raises(ConfigError, match="log_prob_gpus >= 1"):
+            client.fwd_no_grad(batch, reference_model=True)
+        assert client.weight_norm() == before
+        assert client.describe()["step"] == 0
+        client.fwd_bwd(batch)
+        client.step()
+        assert client.weight_norm()["training_norm"] != before["training_norm"]
+
+
+@pytest.mark.slow
+def test_too_few_prompt_groups_for_the_ranks_is_a_clear_error(local_ray: None) -> None:
+    with start(make_config(training_gpus=2)) as client:
+        samples = client.generate([[1, 2, 3]], {"n": 4, "max_tokens": 3})
+        batch = grpo_batch([[1, 2, 3]], samples, torch.rand(1, 4, dtype=torch.float64))
+        with pytest.raises(BatchValidationError, match=r"1 distinct prompts.*2 data-parallel ranks"):
+            client.fwd_bwd(batch)
+        assert client.describe()["step"] == 0
+
+
+@pytest.mark.slow
+def test_another_process_can_attach_to_the_named_service(local_ray: None) -> None:
+    with start(make_config(training_gpus=1), service_name="shared_service") as owner:
+        attached = attach_arctic_rl_client(service_name="shared_service", blocking_calls=True)
+        assert isinstance(attached, SyncArcticRLClient)
+        assert attached.weight_norm() == owner.weight_norm()
+        attached.shutdown()
+        # Detaching leaves the owner's engines running.
+        assert owner.generate([[1, 2]], {"n": 1, "max_tokens": 2})[0][0]["token_ids"]
+
+
+@pytest.mark.slow
+def test_a_killed_engine_is_named_and_shutdown_leaves_nothing(local_ray: None) -> None:
+    client = start(make_config(training_gpus=2))
+    pids = [engine["pid"] for engine in client.describe()["engines"].values()]
+    victim = client.describe()["engines"]["training[1]"]["pid"]
+    try:
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(EngineError, match=r"training\[1\]") as raised:
+            client.step()
+        assert raised.value.engine == "training[1]"
+    finally:
+        client.shutdown()
+    assert_nothing_left(pids)
+
+
+@pytest.mark.slow
+def test_an_engine_that_fails_to_start_is_named_and_nothing_is_left(local_ray: None) -> None:
+    engines = dict(FAKES, sampling="fake_engines:EngineThatFailsToStart")
+    with pytest.raises(EngineError, match=r"sampling\[0\].*missing-model") as raised:
+        start(make_config(training_gpus=1), engine_classes=engines)
+    assert raised.value.engine == "sampling[0]"
+    assert_nothing_left([])
