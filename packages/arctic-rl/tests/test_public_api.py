@@ -11,8 +11,12 @@ PACKAGE = Path(__file__).resolve().parents[1]
 REPO = PACKAGE.parents[1]
 PYPROJECT = PACKAGE / "pyproject.toml"
 
-# The thin client's names; the engines, placement and client modules add theirs.
+# The thin client's names (the engines are imported from arctic_rl.engines.* by the engine actors).
 CORE_NAMES = {
+    "ArcticRLClient",
+    "SyncArcticRLClient",
+    "attach_arctic_rl_client",
+    "create_arctic_rl_client",
     "BATCH_KEYS",
     "ArcticRLClientConfig",
     "ArcticRLError",

@@ -6,6 +6,7 @@ training and log-prob engines and vLLM sampling engines, installed with the ``ar
 """
 
 from arctic_rl.batch import BATCH_KEYS, build_grpo_batch, grpo_advantages, validate_batch
+from arctic_rl.client import ArcticRLClient, SyncArcticRLClient, attach_arctic_rl_client, create_arctic_rl_client
 from arctic_rl.config import (
     ArcticRLClientConfig,
     FcaSection,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BATCH_KEYS",
+    "ArcticRLClient",
     "ArcticRLClientConfig",
     "ArcticRLError",
     "BatchValidationError",
@@ -54,12 +56,15 @@ __all__ = [
     "PolicyLossConfig",
     "SamplingConfig",
     "StepTimer",
+    "SyncArcticRLClient",
     "TrainingConfig",
     "WeightSyncConfig",
     "ZorroTrainSection",
     "__version__",
+    "attach_arctic_rl_client",
     "build_grpo_batch",
     "count_loss_denominators",
+    "create_arctic_rl_client",
     "get_loss_fn",
     "grpo_advantages",
     "logprob_mismatch",
