@@ -273,7 +273,21 @@ class TrainingEngine(DeepSpeedModelEngine):
         if mode in ("all", "weights"):
             self.module.to(device)
 
+    def _zero3_keeps_torch_optimizer(self) -> bool:
+        # ZeRO-3's offload_states moves only DeepSpeed's own FusedAdam state; this engine steps torch's AdamW.
+        return int(self._engine.zero_optimization_stage()) == 3
+
     def _offload(self, mode: str) -> None:
+        if self._zero3_keeps_torch_optimizer():
+            if self.device.type == "cuda":
+                raise EngineStateError(
+                    "sleep() under ZeRO-3 cannot offload the optimizer: DeepSpeed offloads ZeRO-3 state only for its "
+                    "own FusedAdam, and this engine steps torch's AdamW. Use training.zero_stage 2 (or 0) with "
+                    "colocation, or keep the trainer awake.",
+                    engine=self.name,
+                )
+            # On the CPU the state already lives in host memory: nothing to move, the state machine still applies.
+            return
         if self._uses_deepspeed_offload():
             from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
@@ -286,6 +300,8 @@ class TrainingEngine(DeepSpeedModelEngine):
             self._move_torch_state(mode, torch.device("cpu"))
 
     def _reload(self, mode: str) -> None:
+        if self._zero3_keeps_torch_optimizer():
+            return
         if self._uses_deepspeed_offload():
             self._engine.reload_states()
         else:
