@@ -22,12 +22,13 @@ class SimulatedCluster:
     def __init__(self) -> None:
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
         self.workers: list[Any] = []
+        self.layout: tuple[int, int] | None = None
         ray.init(address=self.cluster.address, include_dashboard=False)
 
     def use_layout(self, count: int, gpus_per_node: int) -> None:
-        current = sorted(int(node.resources_spec.num_gpus or 0) for node in self.workers)
-        if current == [gpus_per_node] * count:
+        if self.layout == (count, gpus_per_node):
             return
+        self.layout = (count, gpus_per_node)
         for node in self.workers:
             self.cluster.remove_node(node)
         self.workers = [self.cluster.add_node(num_cpus=1, num_gpus=gpus_per_node) for _ in range(count)]
@@ -43,11 +44,14 @@ class SimulatedCluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SimulatedCluster]:
-    simulated = retry_start(SimulatedCluster)
-    try:
-        yield simulated
-    finally:
-        simulated.shutdown()
+    # A raylet that declares GPUs refuses to start when CUDA_VISIBLE_DEVICES names fewer (CPU test runs set it empty).
+    with pytest.MonkeyPatch.context() as environment:
+        environment.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        simulated = retry_start(SimulatedCluster)
+        try:
+            yield simulated
+        finally:
+            simulated.shutdown()
 
 
 @ray.remote
