@@ -9,7 +9,7 @@ kernel compiles with the installed Triton and whether it spills, before spending
 
 The constexprs are the launchers' for the hybrid benchmark's shapes (bf16 and fp32), and RL-8x16's for arctic-dedup's
 forest decode passes, specialized as Triton's launcher would (alignment and divisibility hints): with them the forest
-passes report what the H200 runs measured (fca_decode_diagnose.json: prefix pass 64x64 tiles 112 KB / ~254
+passes report what the H200 runs measured (the tuning rounds' diagnosis, in git history: prefix pass 64x64 tiles 112 KB / ~254
 registers, suffix pass 37 KB / 112 and 70 KB / 162 with Triton 3.6). The reports of the last runs are committed as
 benchmarks/results/sm90_compile_report.txt (Triton 3.7.1) and sm90_compile_report_triton36.txt (``--out``; put
 Triton 3.6 first on PYTHONPATH, e.g. ``uv pip install --target /tmp/t36 --no-deps triton==3.6.0``).
@@ -104,8 +104,7 @@ def forest_report() -> None:
     pointers = {"*": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"}
     pointers.update({name: "*fp32" for name in ("lse_ptr", "prefix_part_out_ptr", "prefix_part_lse_ptr")})
     pointers.update({name: "*fp32" for name in ("suffix_part_out_ptr", "suffix_part_lse_ptr")})
-    shapes = {"HAS_PREFIX": True, "FUSE": False, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0}
-    shapes.update(PERSISTENT=False, TIMELINE=False, INTERLEAVE=False, EARLY=False)
+    shapes = {"HAS_PREFIX": True, "OWNERS_BLOCK": 256, "G": 4, "QMAX": 1, "PAGE": 16, "PDL": 0, "EARLY": False}
     shapes.update(PREFIX_BLOCK_M=64, SUFFIX_BLOCK_M=16, ROWS=4, HEAD_DIM=128, UPCAST=False, DOT_PRECISION="tf32")
     kernel = forest_kernels.forest_attention_kernel
     # RL-8x16's launch values: q [128, 32, 128], paged K/V [blocks, 16, 8, 128], block table rows of 544 blocks.
@@ -135,11 +134,11 @@ def forest_report() -> None:
     combine_ints = {name: ints[name] for name in ("stride_out_token", "stride_out_head", "stride_out_dim")}
     combine_ints.update(stride_lse_token=32, stride_lse_head=1, num_requests=128, head_dim=128, num_kv_heads=8)
     combine_ints.update(dim_chunks=1, suffix_part_offset=16 * 129 * 8 * 64)
-    flags = {"HAS_PREFIX": True, "FUSE": False, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "PDL": 0}
-    flags.update(TIMELINE=False, EARLY=False, LOAD_CACHE="")
+    flags = {"HAS_PREFIX": True, "G": 4, "QMAX": 1, "PREFIX_BLOCK_M": 64, "ROWS": 4, "PDL": 0}
+    flags.update(EARLY=False, LOAD_CACHE="")
     combine = forest_kernels.forest_combine_kernel
-    # ForestKernelConfig()'s combine (4 warps, whole heads, 16 partials at a time), the variants fca_decode.py
-    # --diagnose timed, and the default rule's (1 warp, 64-dim halves, 8 partials at a time).
+    # ForestKernelConfig()'s combine (4 warps, whole heads, 16 partials at a time), the variants timed in the
+    # tuning rounds, and the default rule's (1 warp, 64-dim halves, 8 partials at a time).
     shapes_timed = ((4, 16, 128), (4, 8, 128), (2, 8, 128), (2, 4, 128), (1, 16, 32), (1, 8, 32), (1, 8, 64))
     for warps, chunk, dims in shapes_timed:
         label = f"forest combine {warps} warps chunk {chunk}" + ("" if dims == 128 else f" dims {dims}")
