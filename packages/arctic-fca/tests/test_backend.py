@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -128,6 +129,14 @@ def test_cpu_planner_logs_every_log_interval_steps() -> None:
     assert len(records.messages) == 2 and all(m.startswith("arctic-fca step: 0 groups") for m in records.messages)
 
 
+def _parse_step(message: str) -> tuple[int, int, int]:
+    """(groups, grouped requests, requests) of one "arctic-fca step: ..." log line."""
+    match = re.match(r"arctic-fca step: (\d+) groups, (\d+)/(\d+) requests grouped", message)
+    assert match is not None, message
+    groups, grouped, requests = (int(value) for value in match.groups())
+    return groups, grouped, requests
+
+
 def test_same_tokens_with_fca_on_and_off(cpu_engine: Any) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -168,9 +177,14 @@ def test_same_tokens_with_fca_on_and_off(cpu_engine: Any) -> None:
     finally:
         arctic_fca.set_active(True)
 
-    assert stats.steps_grouped >= 5 and stats.groups >= 3 * stats.steps_grouped
+    # Per step (logged every step here): every decoding request is grouped, at most one group per prompt, and the
+    # steady state (all 24 samples decoding) has exactly one group per prompt. vLLM may schedule a few requests a
+    # step early or late, so the first and last steps can hold fewer requests.
+    steps = [_parse_step(message) for message in records.messages if message.startswith("arctic-fca step:")]
+    assert 5 <= len(steps) <= stats.steps
+    assert all(grouped == requests and groups <= 3 for groups, grouped, requests in steps)
+    assert sum(step == (3, 24, 24) for step in steps) >= 5
     assert stats.grouped_requests == stats.requests and stats.saved_bytes_per_layer > 0
-    assert any("arctic-fca step: 3 groups, 24/24 requests grouped" in message for message in records.messages)
     for on, off in zip(with_fca, without_fca, strict=True):
         assert [list(c.token_ids) for c in on.outputs] == [list(c.token_ids) for c in off.outputs]
         assert len(on.outputs) == 8 and all(len(c.token_ids) == 12 for c in on.outputs)
