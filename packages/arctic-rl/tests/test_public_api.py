@@ -87,7 +87,8 @@ def test_core_dependencies_are_the_thin_set() -> None:
     for package in ("arctic-zorro-train[deepspeed]", "arctic-fca", "transformers"):
         assert package in engines
     vllm = project["optional-dependencies"]["vllm"]
-    assert any(item.startswith("arctic-rl[engines]") for item in vllm) and any(item.startswith("arctic-fca[vllm]") for item in vllm)
+    assert any(item.startswith("arctic-rl[engines]") for item in vllm)
+    assert any(item.startswith("arctic-fca[vllm]") for item in vllm)
 
 
 def test_arctic_platform_rl_re_exports_every_public_name() -> None:
