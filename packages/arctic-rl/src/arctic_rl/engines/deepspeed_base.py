@@ -204,6 +204,7 @@ class DeepSpeedModelEngine:
             token_budget=training.micro_batch_tokens,
             num_micro_batches=training.gradient_accumulation_steps if for_training else None,
             max_samples=self.config.zorro_train.max_rollouts_per_micro_batch,
+            deduplicated=self._zorro,
         )
 
     # ------------------------------------------------------------------------------------------------ forward

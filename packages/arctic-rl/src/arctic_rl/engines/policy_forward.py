@@ -128,16 +128,25 @@ def plan_engine_micro_batches(
     token_budget: int,
     num_micro_batches: int | None = None,
     max_samples: int | None = None,
+    deduplicated: bool = True,
 ) -> EngineMicroBatches:
     """Cut a padded batch into micro-batches without splitting a prompt group (arctic-dedup's balancing).
 
     ``num_micro_batches`` set: that many micro-batches (fewer when the batch has fewer prompt groups), balanced by
     deduplicated tokens. Otherwise as many as the ``token_budget`` (deduplicated tokens per micro-batch) needs; a
     group larger than the budget is split with a warning. ``max_samples`` caps the samples of one micro-batch.
+    ``deduplicated=False`` (ZoRRO off: every sample runs its own prompt copy) plans each sample as its own group,
+    so budgets and balance count the tokens the model really runs and ``dedup_tokens == base_tokens``.
     """
     width = int(batch["responses"].shape[1])
     layout = SampleLayout.from_padded(batch["input_ids"], width, batch["attention_mask"], batch.get("position_ids"))
     groups = prompt_groups(layout)
+    if not deduplicated:
+        groups = [
+            PromptGroup(samples=(sample,), prompt_length=group.prompt_length, response_lengths=(length,))
+            for group in groups
+            for sample, length in zip(group.samples, group.response_lengths, strict=True)
+        ]
     if num_micro_batches is not None:
         parts = partition_items([group.dedup_tokens for group in groups], num_micro_batches)
         grouped = [[groups[index] for index in part] for part in parts if part]
