@@ -7,11 +7,11 @@ import pytest
 
 pytest.importorskip("arctic_dedup")
 
-from engine_cases import make_batch  # noqa: E402
+from engine_cases import make_batch
 
-from arctic_dedup.balance import prompt_groups  # noqa: E402
-from arctic_dedup.layout import SampleLayout  # noqa: E402
-from arctic_rl.engines.policy_forward import plan_engine_micro_batches  # noqa: E402
+from arctic_dedup.balance import prompt_groups
+from arctic_dedup.layout import SampleLayout
+from arctic_rl.engines.policy_forward import plan_engine_micro_batches
 
 
 def _groups(batch: dict) -> list:
