@@ -224,7 +224,7 @@ def gpu_tests(session: nox.Session) -> None:
     started = time.time()
     summaries = []
     # One pytest run per package: test modules of different packages share basenames (test_public_api.py).
-    for name in ("arctic-dedup", "arctic-zorro-train"):
+    for name in ("arctic-dedup", "arctic-zorro-train", "arctic-rl"):
         junit = out_dir / f"gpu_tests_{name}.xml"
         session.run(
             sys.executable,

@@ -20,9 +20,8 @@ def make_config(model_dir: str, **overrides: Any) -> ArcticRLClientConfig:
     make gradients visible (lr 1e-3, no clipping)."""
     training = {"lr": 1e-3, "max_grad_norm": None, "zero_stage": 0, **overrides.pop("training", {})}
     zorro = {"enable": True, **overrides.pop("zorro_train", {})}
-    return ArcticRLClientConfig(
-        model_name=model_dir, device="cpu", dtype="float32", training=training, zorro_train=zorro, **overrides
-    )
+    fields: dict[str, Any] = {"device": "cpu", "dtype": "float32", **overrides}
+    return ArcticRLClientConfig(model_name=model_dir, training=training, zorro_train=zorro, **fields)
 
 
 def make_batch(
