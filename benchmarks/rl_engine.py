@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import default_out_dir, print_table, write_results  # noqa: E402
-from zorro_train import QWEN3_4B, TINY, group_batch  # noqa: E402
+from common import default_out_dir, print_table, write_results
+from zorro_train import QWEN3_4B, TINY, group_batch
 
 NAME = "rl_engine"
 GOAL = 0.95
