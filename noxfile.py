@@ -178,8 +178,16 @@ def bench_checks(session: nox.Session) -> None:
     """The tests of ``benchmarks/`` (not of any package): every script imports against the packages, the lab probes'
     CPU dry runs match torch, the committed headline results are complete."""
     local = {name: str(ROOT / "packages" / name) for name in PACKAGES}
-    _install(session, local["arctic-dedup"], local["arctic-zorro-train"], *TEST_TOOLS)
-    env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+    # rl_engine.py drives arctic-rl's DeepSpeed training engine (no vLLM): the engines' side without the sampler.
+    _install(
+        session,
+        local["arctic-dedup"],
+        f"{local['arctic-zorro-train']}[deepspeed]",
+        local["arctic-rl"],
+        "transformers",
+        *TEST_TOOLS,
+    )
+    env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0", "DS_ACCELERATOR": "cpu"}
     session.run(
         "python", "-m", "pytest", str(ROOT / "benchmarks" / "tests"), "-q", "-p", "no:cacheprovider", *session.posargs,
         env=env,

@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "ZORRO"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.smoke:
+    if args.smoke and not args.child:
         args.layers, args.prompt, args.response, args.group = 2, 64, 8, 4
         args.micro_batch_tokens, args.warmup, args.repeats = 128, 1, 2
     if args.child:
@@ -151,7 +151,9 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         bound, flops_base, flops_dedup = flop_bound(model_dir, args)
-        passthrough = [a for a in sys.argv[1:] if not a.startswith("--out")]
+        passthrough = ["--smoke"] if args.smoke else []
+        for option in ("layers", "prompt", "response", "group", "micro_batch_tokens", "warmup", "repeats"):
+            passthrough += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
         for zorro in ("off", "on"):
             environment = dict(os.environ, DS_ACCELERATOR="cpu" if args.smoke else os.environ.get("DS_ACCELERATOR", ""))
             if not environment["DS_ACCELERATOR"]:

@@ -107,6 +107,14 @@ def test_results_folder_holds_no_diagnosis_leftovers() -> None:
     assert all(path.is_file() for path in RESULTS.iterdir()), "results/ holds no A/B or Nsight folders"
 
 
+def test_rl_engine_smoke_times_both_runs(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("arctic_rl")
+    summary = _smoke(BENCHMARKS / "rl_engine.py", tmp_path)["summary"]
+    assert summary["seconds_on"] > 0 and summary["seconds_off"] > 0
+    assert summary["engine_zorro_efficiency"] == pytest.approx(summary["engine_speedup"] / summary["flop_bound"])
+
+
 @pytest.mark.slow
 def test_loop_probe_smoke_matches_torch(tmp_path: Path) -> None:
     result = _smoke(LAB / "fca_loop_probe.py", tmp_path)
