@@ -78,13 +78,24 @@ def time_variant(model_dir: str, zorro: bool, args: argparse.Namespace) -> dict[
     mask = batch["response_mask"]
     denominators = {"global_tokens": float(mask.sum()), "global_sequences": float((mask.sum(1) > 0).sum())}
 
+    split: dict[str, list[float]] = {"fwd_bwd": [], "optimizer": []}
+
     def one_step() -> dict[str, Any]:
+        start = time.perf_counter()
         reply = engine.fwd_bwd(batch, loss_name="grpo", loss_config={}, **denominators)
+        if cuda:
+            torch.cuda.synchronize()
+        middle = time.perf_counter()
         engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        split["fwd_bwd"].append(middle - start)
+        split["optimizer"].append(time.perf_counter() - middle)
         return reply
 
     for _ in range(args.warmup):
         one_step()
+    split = {"fwd_bwd": [], "optimizer": []}
     seconds = []
     reply: dict[str, Any] = {}
     if cuda:
@@ -102,6 +113,8 @@ def time_variant(model_dir: str, zorro: bool, args: argparse.Namespace) -> dict[
         "seconds": statistics.median(seconds),
         "seconds_min": min(seconds),
         "seconds_max": max(seconds),
+        "fwd_bwd_seconds": statistics.median(split["fwd_bwd"]),
+        "optimizer_seconds": statistics.median(split["optimizer"]),
         "micro_batches": reply.get("micro_batches"),
         "base_tokens": reply.get("base_tokens"),
         "dedup_tokens": reply.get("dedup_tokens"),
@@ -191,7 +204,8 @@ def main() -> None:
                 "seconds_on": timed[True]["seconds"],
             }
         )
-    print_table(rows, ["zorro", "seconds", "seconds_min", "seconds_max", "micro_batches", "tflops", "peak_gib"])
+    columns = ["zorro", "seconds", "fwd_bwd_seconds", "optimizer_seconds", "micro_batches", "tflops", "peak_gib"]
+    print_table(rows, columns)
     print(json.dumps(summary, indent=1))
     if not args.smoke or args.out is not None:
         write_results(out_dir, NAME, summary, rows)
