@@ -13,9 +13,11 @@ cancelling gradients fp32 rounding alone moves transformers' own results by more
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -32,10 +34,12 @@ from arctic_zorro_train.testing import (
 )
 
 __all__ = [
+    "GRADIENT_BREAKS",
     "HYBRID_FAMILIES",
     "LARGEST_DIFFERENCES",
     "TOLERANCE",
     "Sample",
+    "break_gradient",
     "compare_with_reference",
     "float64_model",
     "fresh_model",
@@ -101,3 +105,25 @@ def record_differences(label: str, errors: dict[str, float]) -> None:
     if errors[name] > LARGEST_DIFFERENCES.get(label, (-1.0, "", ""))[0]:
         test = os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)")
         LARGEST_DIFFERENCES[label] = (errors[name], name, test)
+
+
+# Where to break the deduplicated path per family: the tree attention of an attention-only family, the tree Gated
+# DeltaNet rule of a hybrid one (module, attribute the patched layers look up at call time).
+GRADIENT_BREAKS = {
+    "qwen3": ("arctic_zorro_train.attention", "_tree_attention"),
+    "qwen3_5": ("arctic_zorro_train.gated_delta", "tree_gated_delta_rule"),
+}
+
+
+def break_gradient(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """Halve the gradient through ``family``'s deduplicated attention (or Gated DeltaNet rule) while keeping its
+    output bitwise: a wrong gradient path that only a training-mode gradient comparison catches."""
+    module_name, attribute = GRADIENT_BREAKS[family]
+    module = importlib.import_module(module_name)
+    original = getattr(module, attribute)
+
+    def halved(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = original(*args, **kwargs)
+        return out.detach() + 0.5 * (out - out.detach())
+
+    monkeypatch.setattr(module, attribute, halved)

@@ -94,9 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("source", help=f"model directory, config JSON file, or one of: {', '.join(FAMILIES)}")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    parser.add_argument(
-        "--attn-implementation", choices=["eager", "sdpa"], default=None, help="for the per-sample run"
-    )
+    parser.add_argument("--attn-implementation", choices=["eager", "sdpa"], default=None, help="for the per-sample run")
     parser.add_argument("--reconstruct", action="store_true", help="reconstruct-then-attend instead of tree attention")
     parser.add_argument("--sharing", choices=["prompt", "trie"], default="prompt")
     parser.add_argument("--logits-mode", choices=["none", "compute", "memory"], default="none")

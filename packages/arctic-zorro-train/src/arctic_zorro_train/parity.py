@@ -178,10 +178,11 @@ def measure_parity(
                 )
     finally:
         model.train(was_training)
+    config: Any = model.config
     return ParityReport(
-        model_type=str(model.config.model_type),
+        model_type=str(config.model_type),
         dtype=next(model.parameters()).dtype,
-        attn_implementation=str(model.config._attn_implementation),
+        attn_implementation=str(config._attn_implementation),
         transformers_version=installed_transformers(),
         logprob_error=logprob_error,
         entropy_error=entropy_error,

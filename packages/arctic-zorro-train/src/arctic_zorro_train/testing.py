@@ -159,14 +159,30 @@ _TINY_MAX_EXPERTS = 4
 _TINY_MAX_EXPERTS_PER_TOKEN = 2
 _TINY_MAX_SLIDING_WINDOW = 6
 # Fields of a checkpoint's config that describe the checkpoint, not the architecture.
-_CHECKPOINT_FIELDS = ("quantization_config", "auto_map", "_name_or_path", "transformers_version", "dtype", "torch_dtype")
+_CHECKPOINT_FIELDS = (
+    "quantization_config",
+    "auto_map",
+    "_name_or_path",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+)
+
+
+_TINY_MAX_RUN = 3
 
 
 def _tiny_layer_types(layer_types: Sequence[str]) -> list[str]:
-    """The shortest prefix of ``layer_types`` that holds every kind of layer (two layers at least, when there are)."""
-    kinds = set(layer_types)
-    end = next(end for end in range(1, len(layer_types) + 1) if set(layer_types[:end]) == kinds)
-    return list(layer_types[: max(end, min(2, len(layer_types)))])
+    """Runs of one kind of layer cut to three, then the shortest prefix that holds every kind (two layers at least,
+    where there are): ``[linear x3, full] x12`` keeps its 4-layer period, ``[full x28, sliding x4]`` becomes
+    ``[full x3, sliding]``."""
+    runs: list[str] = []
+    for index, kind in enumerate(layer_types):
+        if index < _TINY_MAX_RUN or any(earlier != kind for earlier in layer_types[index - _TINY_MAX_RUN : index]):
+            runs.append(kind)
+    kinds = set(runs)
+    end = next(end for end in range(1, len(runs) + 1) if set(runs[:end]) == kinds)
+    return runs[: max(end, min(2, len(runs)))]
 
 
 def _tiny_token_id(token: Any) -> Any:
