@@ -70,6 +70,7 @@ _MOE: dict[str, Any] = {
     "output_router_logits": True,
     "router_aux_loss_coef": 0.1,
 }
+_DENSE: dict[str, Any] = {"intermediate_size": 128}
 _LINEAR: dict[str, Any] = {
     "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 16,
@@ -93,7 +94,7 @@ def _text_config(family: str, overrides: Mapping[str, Any]) -> Any:
         Qwen3NextConfig,
     )
 
-    dense = {"intermediate_size": 128}
+    dense = _DENSE
     builders: dict[str, tuple[Any, dict[str, Any]]] = {
         "qwen3": (Qwen3Config, dense),
         "qwen3_moe": (Qwen3MoeConfig, {**dense, **_MOE, "decoder_sparse_step": 1}),
@@ -147,16 +148,14 @@ def _tiny_image_text_config(
 
 # What a real config is shrunk to: these fields, where the config has them, take the tiny sizes of ``tiny_config``.
 _TINY_SIZES: dict[str, int] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "linear_num_key_heads": 2,
+    **{name: _COMMON[name] for name in ("vocab_size", "hidden_size", "num_attention_heads")},
+    **_DENSE,
+    "moe_intermediate_size": _MOE["moe_intermediate_size"],
+    "shared_expert_intermediate_size": _MOE["moe_intermediate_size"],
+    "linear_num_key_heads": _LINEAR["linear_num_key_heads"],
 }
-_TINY_MAX_EXPERTS = 4
-_TINY_MAX_EXPERTS_PER_TOKEN = 2
+_TINY_MAX_EXPERTS = _MOE["num_experts"]
+_TINY_MAX_EXPERTS_PER_TOKEN = _MOE["num_experts_per_tok"]
 _TINY_MAX_SLIDING_WINDOW = 6
 # Fields of a checkpoint's config that describe the checkpoint, not the architecture.
 _CHECKPOINT_FIELDS = (
