@@ -1,5 +1,7 @@
 """Every supported family and attention mode: deduplicated logprobs, entropies and every parameter gradient of
-the policy loss equal the plain model run on each sample separately, within 1e-5.
+the policy loss equal the plain model run on each sample separately, within 1e-5. Both runs are in training mode
+(``module.train()``, dropout 0): logprobs from a no-grad forward and from the training forward with autograd on,
+gradients from the training step (``measure_parity``). Marked ``parity``: rerun on every tested transformers.
 
 In float64 for every family, attention mode and logits mode (zorro_cases.py says why float64); in fp32 for the
 attention-only families on long sequences, where fp32 rounding stays far below the bound.
@@ -26,6 +28,8 @@ from arctic_zorro_train.testing import FAMILIES
 ATTENTION_MODES = [("eager", True), ("sdpa", True), ("sdpa", False)]
 ATTENTION_ONLY_FAMILIES = [family for family in FAMILIES if family not in HYBRID_FAMILIES]
 MISTRAL_SLIDING_WINDOW = 6
+
+pytestmark = pytest.mark.parity
 
 
 def _family_batch() -> dict[str, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 Entry points: ``apply_zorro(model)`` (generic), the seed API (``Qwen3ModelOncePatcher``, ``Qwen3ModelPatcher``,
 ``QwenAttentionPatcher``, ``DeduplicatedActor``), ``zorro_forward(model, plan)`` for a prebuilt plan, and
-``install_zorro_for_deepspeed`` for the DeepSpeed engines. Nothing is patched at import time.
+``install_zorro_for_deepspeed`` for the DeepSpeed engines, and ``check_parity(model)`` (deduplicated vs plain
+training on a tiny model of the same architecture; ``python -m arctic_zorro_train.check`` on the command line).
+Nothing is patched at import time.
 """
 
 from arctic_dedup.testing import create_dummy_batch
@@ -15,6 +17,7 @@ from arctic_zorro_train.loading import load_model
 from arctic_zorro_train.logprobs import LogitsMode, token_logprobs
 from arctic_zorro_train.loss import ppo_policy_loss
 from arctic_zorro_train.moe import RouterStatistics
+from arctic_zorro_train.parity import ParameterParity, ParityReport, check_parity
 from arctic_zorro_train.patchers import Qwen3ModelOncePatcher, Qwen3ModelPatcher, QwenAttentionPatcher
 from arctic_zorro_train.patching import ZorroPatch, apply_zorro, is_patched, remove_zorro
 from arctic_zorro_train.plans import plan_batch, responses_to_padded
@@ -26,6 +29,8 @@ __all__ = [
     "DeduplicatedActor",
     "LogitsMode",
     "MissingDependencyError",
+    "ParameterParity",
+    "ParityReport",
     "Qwen3ModelOncePatcher",
     "Qwen3ModelPatcher",
     "QwenAttentionPatcher",
@@ -38,6 +43,7 @@ __all__ = [
     "ZorroTrainConfig",
     "__version__",
     "apply_zorro",
+    "check_parity",
     "create_dummy_batch",
     "install_zorro_for_deepspeed",
     "is_patched",

@@ -23,6 +23,7 @@ __all__ = [
     "ArchitectureTable",
     "GatedDeltaInputs",
     "LinearAttentionTable",
+    "architecture_for_model_type",
     "resolve_architecture",
     "supported_model_types",
 ]
@@ -157,15 +158,19 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(model_type for table in ARCHITECTURES for model_type in table.model_types)
 
 
-def resolve_architecture(model: nn.Module) -> ArchitectureTable:
-    """The table for ``model`` (a causal LM, a VLM wrapper, or a bare backbone), by ``config.model_type``."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+def architecture_for_model_type(model_type: str | None, owner: str) -> ArchitectureTable:
+    """The table for ``model_type`` (``owner`` names the model or config it came from, for the error)."""
     for table in ARCHITECTURES:
         if model_type in table.model_types:
             return table
     raise UnsupportedModelError(
-        f"arctic-zorro-train has no patch table for model_type={model_type!r} ({type(model).__name__}). "
+        f"arctic-zorro-train has no patch table for model_type={model_type!r} ({owner}). "
         f"Supported model types: {', '.join(supported_model_types())}. Use one of these architectures, or run "
         "the model without zorro-train."
     )
+
+
+def resolve_architecture(model: nn.Module) -> ArchitectureTable:
+    """The table for ``model`` (a causal LM, a VLM wrapper, or a bare backbone), by ``config.model_type``."""
+    config = getattr(model, "config", None)
+    return architecture_for_model_type(getattr(config, "model_type", None), type(model).__name__)

@@ -35,7 +35,7 @@ from arctic_zorro_train.fused import (
 )
 from arctic_zorro_train.gated_delta import gated_delta_tree_forward
 from arctic_zorro_train.settings import ZorroSettings
-from arctic_zorro_train.versions import check_transformers_version
+from arctic_zorro_train.versions import guard_transformers_version
 
 __all__ = [
     "QwenAttentionPatcher",
@@ -255,15 +255,17 @@ def apply_zorro(
         patch_forward: also replace ``model.forward`` by the deduplicated forward (``zorro_model_forward``).
         attn_implementation: what attention layers fall back to without a zorro context (default: as loaded).
         allow_untested_transformers: patch under a transformers outside the tested range (default: the
-            ``ARCTIC_ZORRO_ALLOW_UNTESTED_TRANSFORMERS=1`` environment variable); see ``versions.py``.
+            ``ARCTIC_ZORRO_ALLOW_UNTESTED_TRANSFORMERS=1`` environment variable) if the parity self-check on a
+            tiny model of this architecture passes (``check_parity``, once per config shape); see ``versions.py``.
 
     Raises:
         UnsupportedModelError: the architecture has no table (the message lists the supported ones).
-        ZorroPatchError: transformers is outside the tested range and the user did not opt in.
+        ZorroPatchError: transformers is outside the tested range and the user did not opt in, or the parity
+            self-check failed (the message names the worst parameters).
     """
     architecture = resolve_architecture(model)
-    check_transformers_version(allow_untested_transformers)
     settings = replace(settings or ZorroSettings(), **setting_overrides)
+    guard_transformers_version(model, settings, allow_untested_transformers)
     if is_patched(model):
         patch = get_patch(model)
         patch.settings = settings

@@ -1,10 +1,12 @@
-"""Helpers for tests, examples and benchmarks: tiny random-init configs of every supported family and the plain
-per-sample reference run that deduplicated results are compared with."""
+"""Helpers for tests, examples, benchmarks and the parity check: tiny random-init configs of every supported family
+(or shrunk from a real model's config), a small GRPO-like batch, and the plain per-sample reference run (logprobs and
+policy loss) that deduplicated results are compared with."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,20 +16,27 @@ from torch.overrides import TorchFunctionMode
 
 from arctic_dedup.testing import create_dummy_batch
 from arctic_zorro_train.families import resolve_architecture
+from arctic_zorro_train.loss import ppo_policy_loss
 from arctic_zorro_train.moe import collect_router_logits
 
 __all__ = [
     "FAMILIES",
     "ReferenceOutputs",
+    "Sample",
     "build_model",
     "collect_grads",
     "create_dummy_batch",
     "float64_everywhere",
     "float64_recurrent_gated_delta_rule",
     "gradient_errors",
+    "long_samples",
+    "make_batch",
+    "model_precision",
     "per_sample_reference",
+    "reference_loss",
     "relative_error",
     "tiny_config",
+    "tiny_config_like",
 ]
 
 # Family name -> what tiny_config builds. "*_vlm" are the Qwen3.5 image-text wrappers around the text models.
@@ -61,6 +70,7 @@ _MOE: dict[str, Any] = {
     "output_router_logits": True,
     "router_aux_loss_coef": 0.1,
 }
+_DENSE: dict[str, Any] = {"intermediate_size": 128}
 _LINEAR: dict[str, Any] = {
     "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 16,
@@ -84,7 +94,7 @@ def _text_config(family: str, overrides: Mapping[str, Any]) -> Any:
         Qwen3NextConfig,
     )
 
-    dense = {"intermediate_size": 128}
+    dense = _DENSE
     builders: dict[str, tuple[Any, dict[str, Any]]] = {
         "qwen3": (Qwen3Config, dense),
         "qwen3_moe": (Qwen3MoeConfig, {**dense, **_MOE, "decoder_sparse_step": 1}),
@@ -112,17 +122,145 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     text_family = family.removesuffix("_vlm")
-    text = _text_config(text_family, overrides).to_dict()
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
     wrapper = Qwen3_5Config if text_family == "qwen3_5" else Qwen3_5MoeConfig
-    return wrapper(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=125,
-        video_token_id=126,
-        vision_start_token_id=124,
-        vision_end_token_id=127,
-    )
+    return _tiny_image_text_config(wrapper, _text_config(text_family, overrides).to_dict(), {}, {})
+
+
+# A tiny vision tower: text-only batches never run it, but the wrapper model builds it.
+_TINY_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+# The image-text wrappers' special tokens sit at the top of the tiny vocabulary, above the batches' token ids (< 120).
+_TINY_SPECIAL_TOKENS: dict[str, int] = {
+    "vision_start_token_id": 124,
+    "image_token_id": 125,
+    "video_token_id": 126,
+    "vision_end_token_id": 127,
+}
+
+
+def _tiny_image_text_config(
+    wrapper: Any, text: dict[str, Any], vision: Mapping[str, Any], wrapper_fields: Mapping[str, Any]
+) -> Any:
+    """An image-text wrapper config around the tiny ``text`` config (``vision`` and ``wrapper_fields`` are kept
+    where the tiny sizes do not replace them)."""
+    tiny_vision = {**vision, **_TINY_VISION, "out_hidden_size": text["hidden_size"]}
+    return wrapper(text_config=text, vision_config=tiny_vision, **{**wrapper_fields, **_TINY_SPECIAL_TOKENS})
+
+
+# What a real config is shrunk to: these fields, where the config has them, take the tiny sizes of ``tiny_config``.
+_TINY_SIZES: dict[str, int] = {
+    **{name: _COMMON[name] for name in ("vocab_size", "hidden_size", "num_attention_heads")},
+    **_DENSE,
+    "moe_intermediate_size": _MOE["moe_intermediate_size"],
+    "shared_expert_intermediate_size": _MOE["moe_intermediate_size"],
+    "linear_num_key_heads": _LINEAR["linear_num_key_heads"],
+}
+_TINY_MAX_EXPERTS = _MOE["num_experts"]
+_TINY_MAX_EXPERTS_PER_TOKEN = _MOE["num_experts_per_tok"]
+_TINY_MAX_SLIDING_WINDOW = 6
+# Fields of a checkpoint's config that describe the checkpoint, not the architecture.
+_CHECKPOINT_FIELDS = (
+    "quantization_config",
+    "auto_map",
+    "_name_or_path",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+)
+
+
+_TINY_MAX_RUN = 3
+
+
+def _tiny_layer_types(layer_types: Sequence[str]) -> list[str]:
+    """Runs of one kind of layer cut to three, then the shortest prefix that holds every kind (two layers at least,
+    where there are): ``[linear x3, full] x12`` keeps its 4-layer period, ``[full x28, sliding x4]`` becomes
+    ``[full x3, sliding]``."""
+    runs: list[str] = []
+    for index, kind in enumerate(layer_types):
+        if index < _TINY_MAX_RUN or any(earlier != kind for earlier in layer_types[index - _TINY_MAX_RUN : index]):
+            runs.append(kind)
+    kinds = set(runs)
+    end = next(end for end in range(1, len(runs) + 1) if set(runs[:end]) == kinds)
+    return runs[: max(end, min(2, len(runs)))]
+
+
+def _tiny_token_id(token: Any) -> Any:
+    vocab = _TINY_SIZES["vocab_size"]
+    if isinstance(token, list):
+        kept = [value for value in token if value < vocab]
+        return kept or None
+    return token if token is None or token < vocab else None
+
+
+def _shrink_text_config(text: Any) -> dict[str, Any]:
+    """``text``'s fields with the sizes of a tiny model (see ``tiny_config_like``)."""
+    values = {name: value for name, value in text.to_dict().items() if name not in _CHECKPOINT_FIELDS}
+    for name, size in _TINY_SIZES.items():
+        if values.get(name):
+            values[name] = size
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if values.get("num_key_value_heads"):
+        # Keep the kind of attention: multi-head, multi-query or grouped-query.
+        values["num_key_value_heads"] = 4 if kv_heads == heads else 1 if kv_heads == 1 else 2
+    for name in ("num_experts", "num_local_experts"):
+        if values.get(name):
+            values[name] = min(int(values[name]), _TINY_MAX_EXPERTS)
+    if values.get("num_experts_per_tok"):
+        values["num_experts_per_tok"] = min(int(values["num_experts_per_tok"]), _TINY_MAX_EXPERTS_PER_TOKEN)
+    if values.get("linear_num_value_heads") and text.linear_num_key_heads:
+        ratio = max(1, int(text.linear_num_value_heads) // int(text.linear_num_key_heads))
+        values["linear_num_value_heads"] = _TINY_SIZES["linear_num_key_heads"] * ratio
+    if values.get("layer_types"):
+        values["layer_types"] = _tiny_layer_types(values["layer_types"])
+        layers = len(values["layer_types"])
+    else:
+        layers = min(2, int(text.num_hidden_layers))
+    values["num_hidden_layers"] = layers
+    if values.get("mlp_only_layers"):
+        values["mlp_only_layers"] = [index for index in values["mlp_only_layers"] if index < layers]
+    for name in ("max_window_layers", "decoder_sparse_step"):
+        if values.get(name):
+            values[name] = min(int(values[name]), layers)
+    if values.get("sliding_window"):
+        values["sliding_window"] = min(int(values["sliding_window"]), _TINY_MAX_SLIDING_WINDOW)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if name in values:
+            values[name] = _tiny_token_id(values[name])
+    # Dropout would make the deduplicated and the per-sample run draw different masks (and zorro attention
+    # refuses attention dropout).
+    for name, value in values.items():
+        if name.endswith("dropout") and isinstance(value, float):
+            values[name] = 0.0
+    return values
+
+
+def tiny_config_like(config: Any) -> Any:
+    """A tiny config of ``config``'s architecture: few layers, hidden size 64, vocabulary 128, at most four experts.
+
+    Kept from ``config``: the model type and everything that makes the family, e.g. the pattern of layer types (the
+    shortest prefix holding every kind, so a hybrid keeps its Gated DeltaNet and attention layers in order), MoE
+    routing (top-k capped at 2, ``norm_topk_prob``, shared experts, dense layers), the attention kind (multi-head,
+    grouped or multi-query), head dims, RoPE parameters, norms, activation, biases and tied embeddings. Sliding
+    windows shrink to at most 6 tokens, so short sequences still cross them; dropout is set to 0. An image-text
+    wrapper keeps its class with the tiny text config and a one-block vision tower.
+
+    Raises:
+        UnsupportedModelError: ``config.model_type`` has no patch table (the message lists the supported ones).
+    """
+    from arctic_zorro_train.families import architecture_for_model_type
+
+    architecture_for_model_type(getattr(config, "model_type", None), type(config).__name__)
+    text = config.get_text_config()
+    text_values = _shrink_text_config(text)
+    if getattr(config, "vision_config", None) is None:
+        return type(text).from_dict(text_values)
+    wrapper_fields = {
+        name: value
+        for name, value in config.to_dict().items()
+        if name not in {"text_config", "vision_config", "model_type", *_CHECKPOINT_FIELDS}
+    }
+    return _tiny_image_text_config(type(config), text_values, config.vision_config.to_dict(), wrapper_fields)
 
 
 def build_model(
@@ -301,3 +439,93 @@ def float64_everywhere() -> Iterator[None]:
     """
     with _Float64Everywhere():
         yield
+
+
+def model_precision(model: nn.Module) -> AbstractContextManager[None]:
+    """``float64_everywhere`` for a float64 model (a float64 run with no fp32 step), nothing otherwise."""
+    return float64_everywhere() if next(model.parameters()).dtype == torch.float64 else nullcontext()
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample's valid prompt and response token ids (no padding)."""
+
+    prompt: Sequence[int]
+    response: Sequence[int]
+
+
+def make_batch(
+    samples: Sequence[Sample],
+    *,
+    extra_prompt_padding: int = 0,
+    extra_response_padding: int = 0,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A verl batch (left-padded prompts, right-padded responses) with random training fields."""
+    prompt_width = max(len(s.prompt) for s in samples) + extra_prompt_padding
+    response_width = max(len(s.response) for s in samples) + extra_response_padding
+    batch_size = len(samples)
+    input_ids = torch.zeros(batch_size, prompt_width + response_width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, sample in enumerate(samples):
+        start = prompt_width - len(sample.prompt)
+        input_ids[row, start:prompt_width] = torch.tensor(sample.prompt)
+        mask[row, start:prompt_width] = 1
+        input_ids[row, prompt_width : prompt_width + len(sample.response)] = torch.tensor(sample.response)
+        mask[row, prompt_width : prompt_width + len(sample.response)] = 1
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, response_width)
+    old = -torch.rand(shape, generator=generator) * 5.0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp_min(0),
+        "responses": input_ids[:, prompt_width:],
+        "response_mask": mask[:, prompt_width:],
+        "old_log_probs": old,
+        "advantages": torch.randn(shape, generator=generator),
+        "ref_log_prob": old + 0.1 * torch.randn(shape, generator=generator),
+    }
+
+
+def long_samples(seed: int = 7) -> list[Sample]:
+    """A GRPO-like batch layout: prompt groups of three, two and one (non-contiguous), every sequence 25-32 tokens
+    long, token ids in [1, 120). Long enough that fp32 rounding stays far below the 1e-5 parity bound."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def tokens(length: int) -> list[int]:
+        return torch.randint(1, 120, (length,), generator=generator).tolist()
+
+    first, second, third = tokens(20), tokens(16), tokens(24)
+    return [
+        Sample(first, tokens(12)),
+        Sample(second, tokens(9)),
+        Sample(first, tokens(10)),
+        Sample(third, tokens(8)),
+        Sample(second, tokens(12)),
+        Sample(first, tokens(11)),
+    ]
+
+
+def reference_loss(
+    model: Any, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0, kl_coef: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, logprobs, entropy) of the plain model run per sample, with ``DeduplicatedActor``'s loss: token-mean
+    PPO clip loss, k1 KL, and the MoE aux loss when the config outputs router logits. The loss keeps its graph."""
+    width = batch["responses"].shape[1]
+    reference = per_sample_reference(model, batch, width, temperature)
+    valid = batch["attention_mask"][:, -width:].bool()
+    loss, _ = ppo_policy_loss(
+        reference.logprobs,
+        batch["old_log_probs"][valid],
+        batch["advantages"][valid],
+        batch["response_mask"][valid].float(),
+        ref_logprobs=batch["ref_log_prob"][valid],
+        kl_coef=kl_coef,
+    )
+    config = model.config.get_text_config()
+    if reference.router_logits and getattr(config, "output_router_logits", False):
+        modeling = sys.modules[type(model).__module__]
+        aux = modeling.load_balancing_loss_func(reference.router_logits, config.num_experts, config.num_experts_per_tok)
+        loss = loss + config.router_aux_loss_coef * aux
+    return loss, reference.logprobs.detach(), reference.entropy.detach()

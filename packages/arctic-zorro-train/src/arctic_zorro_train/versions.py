@@ -3,21 +3,59 @@
 zorro-train reimplements pieces of transformers' layers (the Gated DeltaNet forward, the attention dispatch), so a
 transformers release that changes those layers can make the deduplicated gradients silently wrong while the
 package's version bound is bypassed (an upgrade after install, a uv override). The guard refuses to patch under an
-untested transformers unless the user opts in.
+untested transformers unless the user opts in; after the opt-in it runs ``check_parity`` on a tiny model of the
+architecture being patched (once per architecture and config shape per process) and patches only if it passes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from arctic_zorro_train.errors import ZorroPatchError
 
-__all__ = ["ALLOW_UNTESTED_ENV", "TESTED_TRANSFORMERS", "check_transformers_version", "installed_transformers"]
+if TYPE_CHECKING:
+    from arctic_zorro_train.parity import ParityReport
+    from arctic_zorro_train.settings import ZorroSettings
+
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "TESTED_TRANSFORMERS",
+    "check_transformers_version",
+    "guard_transformers_version",
+    "installed_transformers",
+    "parity_check_running",
+]
 
 # Lowest and newest transformers minor releases the parity tests ran on (any patch release of the minors between).
 TESTED_TRANSFORMERS: tuple[tuple[int, int], tuple[int, int]] = ((5, 17), (5, 25))
 ALLOW_UNTESTED_ENV = "ARCTIC_ZORRO_ALLOW_UNTESTED_TRANSFORMERS"
+
+# Set while check_parity patches its own tiny model: that patch is the self-check, not a user's patch to guard.
+_PARITY_CHECK_RUNNING: ContextVar[bool] = ContextVar("arctic_zorro_parity_check_running", default=False)
+
+
+@dataclass(frozen=True)
+class _SelfCheckKey:
+    """What a self-check's result depends on: the tiny model's config, the reference attention and the settings
+    that change the deduplicated path."""
+
+    tiny_config: str
+    attn_implementation: str
+    use_split_attention: bool
+    sharing: str
+    logits_mode: str
+    fp32_logits: bool
+
+
+# Self-check reports of this process: the guard runs check_parity once per architecture and config shape.
+_SELF_CHECKS: dict[_SelfCheckKey, ParityReport] = {}
 
 
 def installed_transformers() -> str:
@@ -31,25 +69,117 @@ def _minor(version: str) -> tuple[int, int]:
     return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
 
 
-def check_transformers_version(allow_untested: bool | None = None, version: str | None = None) -> None:
-    """Raise ``ZorroPatchError`` when the installed transformers is outside ``TESTED_TRANSFORMERS``, unless
-    ``allow_untested`` (default: the ``ARCTIC_ZORRO_ALLOW_UNTESTED_TRANSFORMERS=1`` environment variable)."""
+def _tested_range() -> str:
+    low, high = TESTED_TRANSFORMERS
+    return f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
+
+
+def _install_tested() -> str:
+    low, high = TESTED_TRANSFORMERS
+    return f"pip install 'transformers>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'"
+
+
+def check_transformers_version(allow_untested: bool | None = None, version: str | None = None) -> bool:
+    """Whether the installed transformers (or ``version``) is outside ``TESTED_TRANSFORMERS`` and the user opted
+    in; ``False`` for a tested release.
+
+    Raises:
+        ZorroPatchError: the release is untested and ``allow_untested`` is false (default: the
+            ``ARCTIC_ZORRO_ALLOW_UNTESTED_TRANSFORMERS=1`` environment variable).
+    """
     version = version or installed_transformers()
     low, high = TESTED_TRANSFORMERS
-    tested = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     if low <= _minor(version) <= high:
-        return
+        return False
     if allow_untested is None:
         allow_untested = os.environ.get(ALLOW_UNTESTED_ENV, "") == "1"
     if not allow_untested:
         raise ZorroPatchError(
-            f"transformers {version} is installed, but arctic-zorro-train is tested with transformers {tested}; "
-            "an untested release can make deduplicated gradients silently wrong. Install a tested transformers "
-            f"(pip install 'transformers>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'), or opt in with "
-            f"{ALLOW_UNTESTED_ENV}=1 (or apply_zorro(..., allow_untested_transformers=True))."
+            f"transformers {version} is installed, but arctic-zorro-train is tested with transformers "
+            f"{_tested_range()}; an untested release can make deduplicated gradients silently wrong. Install a "
+            f"tested transformers ({_install_tested()}), or opt in with {ALLOW_UNTESTED_ENV}=1 (or "
+            "apply_zorro(..., allow_untested_transformers=True)): zorro-train then checks parity on a tiny model "
+            "of your architecture before patching."
+        )
+    return True
+
+
+@contextmanager
+def parity_check_running() -> Iterator[None]:
+    """Within the block the guard lets patches through unchecked: ``check_parity`` patches its own tiny model
+    under the very transformers it is checking."""
+    token = _PARITY_CHECK_RUNNING.set(True)
+    try:
+        yield
+    finally:
+        _PARITY_CHECK_RUNNING.reset(token)
+
+
+def _self_check(model: Any, settings: ZorroSettings) -> ParityReport:
+    """``check_parity`` on a tiny model of ``model``'s architecture, once per key per process.
+
+    fp32 first. Where fp32 misses the bound, a float64 run decides: fp32 rounding alone can cross 1e-5 on
+    gradients with heavy cancellation (the Gated DeltaNet decay parameters), while a real difference between the
+    deduplicated and the plain run is as large in float64 as in fp32. If the float64 run cannot run, the fp32
+    report stands.
+    """
+    import torch
+
+    from arctic_zorro_train.parity import _reference_implementation, check_parity
+    from arctic_zorro_train.testing import tiny_config_like
+
+    config = model.config
+    key = _SelfCheckKey(
+        tiny_config=json.dumps(tiny_config_like(config).to_dict(), sort_keys=True, default=str),
+        attn_implementation=_reference_implementation(config),
+        use_split_attention=settings.use_split_attention,
+        sharing=settings.sharing,
+        logits_mode=settings.logits_mode,
+        fp32_logits=settings.fp32_logits,
+    )
+    if key not in _SELF_CHECKS:
+        report = check_parity(model, settings=settings)
+        if not report.passed:
+            try:
+                report = check_parity(model, settings=settings, dtype=torch.float64)
+            except Exception as error:
+                warnings.warn(f"the float64 parity self-check could not run ({error!r})", stacklevel=2)
+        _SELF_CHECKS[key] = report
+    return _SELF_CHECKS[key]
+
+
+def guard_transformers_version(model: Any, settings: ZorroSettings, allow_untested: bool | None = None) -> None:
+    """What ``apply_zorro`` runs before patching ``model``.
+
+    A tested transformers passes. An untested one raises ``ZorroPatchError`` unless the user opted in
+    (``check_transformers_version``); after the opt-in, the parity self-check must pass (then a warning says that
+    patching goes ahead on an untested release), else ``ZorroPatchError`` names the worst parameters.
+    """
+    if _PARITY_CHECK_RUNNING.get() or not check_transformers_version(allow_untested):
+        return
+    version = installed_transformers()
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    command = "python -m arctic_zorro_train.check <model directory or config.json>"
+    try:
+        report = _self_check(model, settings)
+    except Exception as error:
+        raise ZorroPatchError(
+            f"transformers {version} is outside arctic-zorro-train's tested range ({_tested_range()}), and the "
+            f"parity self-check on a tiny {model_type} model could not run under it ({type(error).__name__}: "
+            f"{error}); this release likely changed the layers zorro-train patches. Install a tested transformers "
+            f"({_install_tested()})."
+        ) from error
+    if not report.passed:
+        worst = ", ".join(f"{name} {error:.2e}" for name, error in list(report.failures().items())[:5])
+        raise ZorroPatchError(
+            f"transformers {version} is outside arctic-zorro-train's tested range ({_tested_range()}), and the "
+            f"parity self-check on a tiny {model_type} model failed: deduplicated training would differ from plain "
+            f"training (bound {report.tolerance:g}; worst: {worst}). Not patching. Install a tested transformers "
+            f"({_install_tested()}); `{command}` prints the full table."
         )
     warnings.warn(
-        f"transformers {version} is outside arctic-zorro-train's tested range ({tested}); patching anyway "
-        f"because {ALLOW_UNTESTED_ENV}=1 / allow_untested_transformers=True.",
+        f"transformers {version} is outside arctic-zorro-train's tested range ({_tested_range()}); patching "
+        f"because {ALLOW_UNTESTED_ENV}=1 / allow_untested_transformers=True and the parity self-check on a tiny "
+        f"{model_type} model passed ({report.summary()}).",
         stacklevel=3,
     )
