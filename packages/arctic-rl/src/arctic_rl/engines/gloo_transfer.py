@@ -59,6 +59,10 @@ _PEER_ERROR_GRACE_S = 10.0
 _register_lock = threading.Lock()
 
 
+class _BroadcastFailed(Exception):
+    """The group failed under a broadcast (its cause); a sampler's own error may explain it better."""
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
@@ -330,12 +334,10 @@ def _trainer_engine_class() -> type[Any]:
             received = executor.submit(self.client.update_weights, asdict(update))
             try:
                 self._broadcast_all(self.source, meta)
-            except Exception as error:
+            except _BroadcastFailed as failure:
                 # Never wait on the samplers unboundedly here: a sampler stuck in a broadcast never returns.
                 peer = _peer_error(received, _PEER_ERROR_GRACE_S)
-                if peer is not None:
-                    raise peer from error
-                raise
+                raise (peer or failure.__cause__ or failure) from failure.__cause__
             finally:
                 executor.shutdown(wait=False)
             received.result()
@@ -354,7 +356,10 @@ def _trainer_engine_class() -> type[Any]:
                             "samplers wait for the rest."
                         )
                     tensors.append(pair[1])
-                _broadcast(self.group, pack_bucket(tensors))
+                try:
+                    _broadcast(self.group, pack_bucket(tensors))
+                except Exception as error:
+                    raise _BroadcastFailed() from error
             for name, _ in pairs:
                 raise ValueError(f"the weight source yielded {name!r} after the {len(meta)} parameters it declared.")
 
