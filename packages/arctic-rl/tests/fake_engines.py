@@ -5,6 +5,11 @@ The "model" is a bigram table ``weights [V, V]`` (fp64): the log-prob of token t
 ``log_softmax(weights[p] / temperature)[t]``. The training engine is a real data-parallel rank: gradients are summed
 over ranks with a gloo all-reduce through the rendezvous address the service hands out, so the service's batch split
 and loss denominators are checked against a single-process computation.
+
+Cross-process weight sync (nccl / cuda_ipc / gloo) is mimicked with the same service path: the training fakes get the
+sampler fan-out and drive the samplers' ``transfer_*`` methods through ``SamplerWeightSyncClient``, as vLLM's trainer
+engines do (the weights ride in the update call instead of a broadcast). Every transfer call is appended to the
+named Ray actor :data:`EVENT_LOG` when a test created it, so tests can check the order of calls across actors.
 """
 
 from __future__ import annotations
@@ -18,6 +23,31 @@ import torch
 from arctic_rl.errors import EngineStateError
 
 VOCAB = 16
+EVENT_LOG = "transfer_events"
+EVENT_NAMESPACE = "arctic_rl_test_events"
+
+
+class EventLog:
+    """A Ray actor tests create under :data:`EVENT_LOG`: the transfer calls of every fake, in arrival order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def append(self, engine: str, event: str) -> None:
+        self.events.append((engine, event))
+
+    def read(self) -> list[tuple[str, str]]:
+        return list(self.events)
+
+
+def record(engine: str, event: str) -> None:
+    import ray
+
+    try:
+        log = ray.get_actor(EVENT_LOG, namespace=EVENT_NAMESPACE)
+    except ValueError:
+        return
+    ray.get(log.append.remote(engine, event))
 
 
 def initial_weights(seed: int) -> torch.Tensor:
@@ -55,6 +85,7 @@ class FakeTrainingEngine:
         self.lr = config.training.lr
         self.weights = initial_weights(config.seed).requires_grad_(True)
         self.batches_seen: list[int] = []
+        self.transfer: Any = None
         if world_size > 1:
             import torch.distributed as dist
 
@@ -114,6 +145,39 @@ class FakeTrainingEngine:
     def iter_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield "weights", self.weights.detach().clone()
 
+    def transfer_setup(self, method: str, samplers: Any, **rendezvous: Any) -> None:
+        from arctic_rl.engines.weight_transfer import SamplerWeightSyncClient
+
+        if self.transfer is not None:
+            raise EngineStateError("transfer already set up", engine=self.name)
+        record(self.name, "transfer_setup")
+        self.transfer = SamplerWeightSyncClient(samplers)
+        if self.rank == 0:
+            # As vLLM's trainer engines: only the sender makes the samplers join.
+            self.transfer.init_weight_transfer_engine({"method": method, "rank_offset": 1, **rendezvous})
+
+    def send_weights(self) -> None:
+        if self.transfer is None:
+            raise EngineStateError("send_weights before transfer_setup", engine=self.name)
+        record(self.name, "send_weights")
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            # Stands for the collective ZeRO-3 gathers every rank takes part in.
+            dist.barrier()
+        if self.rank == 0:
+            self.transfer.start_weight_update()
+            self.transfer.update_weights({"weights": self.weights.detach().clone()})
+            self.transfer.finish_weight_update()
+
+    def transfer_shutdown(self) -> None:
+        if self.transfer is not None:
+            record(self.name, "transfer_shutdown")
+        self.transfer = None
+
+    def shutdown(self) -> None:
+        self.transfer_shutdown()
+
     def sleep(self, mode: str = "all") -> None:
         self.is_sleeping = True
 
@@ -151,6 +215,8 @@ class FakeSamplingEngine:
         self.replica = replica
         self.is_sleeping = False
         self.prefix_resets = 0
+        self.name = f"sampling[{replica}]"
+        self.transfer_info: dict[str, Any] | None = None
         self.environment = {key: os.environ.get(key) for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "DS_ACCELERATOR")}
 
     def generate(
@@ -197,6 +263,33 @@ class FakeSamplingEngine:
             self.weights = tensor.clone()
         self.reset_prefix_cache()
 
+    def transfer_init(self, init_info: dict[str, Any]) -> None:
+        if self.transfer_info is not None:
+            raise EngineStateError("transfer already initialised", engine=self.name)
+        self.transfer_info = dict(init_info, rank_offset=init_info["rank_offset"] + self.replica)
+        record(self.name, f"transfer_init rank_offset={self.transfer_info['rank_offset']}")
+
+    def transfer_start(self) -> None:
+        if self.transfer_info is None:
+            raise EngineStateError("transfer_start before transfer_init", engine=self.name)
+        record(self.name, "transfer_start")
+
+    def transfer_update(self, update_info: dict[str, Any]) -> None:
+        record(self.name, "transfer_update")
+        self.weights = update_info["weights"].clone()
+
+    def transfer_finish(self) -> None:
+        record(self.name, "transfer_finish")
+        self.reset_prefix_cache()
+
+    def transfer_shutdown(self) -> None:
+        if self.transfer_info is not None:
+            record(self.name, "transfer_shutdown")
+        self.transfer_info = None
+
+    def shutdown(self) -> None:
+        self.transfer_shutdown()
+
     def weight_norm(self) -> float:
         return float(self.weights.norm())
 
@@ -208,6 +301,8 @@ class FakeSamplingEngine:
 
     def reset_prefix_cache(self) -> None:
         self.prefix_resets += 1
+        if self.transfer_info is not None:
+            record(self.name, "reset_prefix_cache")
 
     def fca_stats(self) -> dict[str, float]:
         return {"reads_saved": 3.0}

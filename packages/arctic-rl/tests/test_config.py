@@ -56,6 +56,14 @@ def test_auto_weight_sync_on_gpus_follows_the_placement() -> None:
     assert make(device="cuda", weight_sync={"method": "object_store"}).resolved_weight_sync() == "object_store"
 
 
+def test_gloo_weight_sync_is_allowed_on_any_device() -> None:
+    for device in ("cpu", "cuda"):
+        config = make(device=device, weight_sync={"method": "gloo", "timeout_s": 30})
+        assert config.resolved_weight_sync() == "gloo" and config.weight_sync.timeout_s == 30
+    with pytest.raises(ValidationError, match="timeout_s"):
+        make(device="cpu", weight_sync={"method": "gloo", "timeout_s": 0})
+
+
 def test_extra_fields_are_refused_everywhere() -> None:
     with pytest.raises(ValidationError, match="extra"):
         make(trainign_gpus=2)

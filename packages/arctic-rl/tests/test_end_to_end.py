@@ -1,10 +1,12 @@
 """The GRPO loop end to end through the client, with the real engines on the CPU: Ray local, DeepSpeed on the CPU
 accelerator, vLLM's CPU build in-process with the FCA backend, a tiny random-init Qwen3 and a byte tokenizer.
 
-Three client runs share one local Ray: split with ZoRRO on (checkpointing after the first step), colocated with
-ZoRRO off (same first step: the same log-probs, loss and gradient norm as the ZoRRO run), and a restart from the
-checkpoint whose next step equals the uninterrupted run's bitwise (``full_determinism``). The restarted client then
-loses its training engine's process: the next call names the engine and shutdown leaves nothing behind.
+Four client runs share one local Ray: split with ZoRRO on (checkpointing after the first step), colocated with
+ZoRRO off (same first step: the same log-probs, loss and gradient norm as the ZoRRO run), a restart from the
+checkpoint whose next step equals the uninterrupted run's bitwise (``full_determinism``), and split with
+``weight_sync.method='gloo'`` (the cross-process transfer path, whose first steps equal the object-store run's). The
+restarted client then loses its training engine's process: the next call names the engine and shutdown leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_qwen3(tmp_path_factory.mktemp("e2e") / "tiny-qwen3", seed=3)
 
 
-def make_config(model_dir: Path, *, colocate: bool, zorro: bool, checkpoint_path: Path) -> ArcticRLClientConfig:
+def make_config(
+    model_dir: Path, *, colocate: bool, zorro: bool, checkpoint_path: Path, weight_sync: str = "auto"
+) -> ArcticRLClientConfig:
     return ArcticRLClientConfig(
         model_name=str(model_dir),
         device="cpu",
@@ -102,6 +106,7 @@ def make_config(model_dir: Path, *, colocate: bool, zorro: bool, checkpoint_path
         zorro_train={"enable": zorro},
         fca={"enable": True, "log_interval": 1},
         sampling={"max_model_len": 256, "kv_cache_space_gib": 1, "engine_args": {"block_size": 32}},
+        weight_sync={"method": weight_sync},
     )
 
 
@@ -289,3 +294,22 @@ def test_restart_from_checkpoint_continues_bitwise_then_a_dead_engine_is_named(
     finally:
         client.shutdown()
     wait_until_gone(pids)
+
+
+def test_gloo_weight_sync_moves_the_weights_across_processes(
+    split_zorro_run: dict[str, Any], model_dir: Path, tmp_path: Path
+) -> None:
+    """weight_sync.method='gloo': trainer rank 0 broadcasts to the sampler actor over a gloo group through vLLM's
+    transfer API. After every sync the sampler scores like the trainer (checked inside grpo_step) and the group set
+    up at the first sync serves the second."""
+    reference: list[StepRecord] = split_zorro_run["records"]
+    config = make_config(model_dir, colocate=False, zorro=True, checkpoint_path=tmp_path, weight_sync="gloo")
+    with start(config) as client:
+        records = [grpo_step(client, step, colocated=False) for step in range(2)]
+        assert client.describe()["weight_sync"] == {"method": "gloo", "transfer_setups": 1}
+    # The second step sampled with the weights the first sync moved: the same tokens as the object-store run.
+    for record, expected in zip(records, reference, strict=False):
+        assert [[s["token_ids"] for s in group] for group in record.samples] == [
+            [s["token_ids"] for s in group] for group in expected.samples
+        ]
+        assert float((record.trainer_log_probs - expected.trainer_log_probs).abs().max()) <= EXACT

@@ -66,7 +66,7 @@ def start(config: ArcticRLClientConfig, **kwargs: Any) -> SyncArcticRLClient:
         config,
         blocking_calls=True,
         engine_classes=kwargs.pop("engine_classes", FAKES),
-        placement_overrides=CPU_SLOTS,
+        placement_overrides=kwargs.pop("placement_overrides", CPU_SLOTS),
         **kwargs,
     )
     assert isinstance(client, SyncArcticRLClient)
@@ -241,3 +241,93 @@ def test_an_engine_that_fails_to_start_is_named_and_nothing_is_left(local_ray: N
         start(make_config(training_gpus=1), engine_classes=engines)
     assert raised.value.engine == "sampling[0]"
     assert_nothing_left([])
+
+
+@pytest.fixture
+def transfer_events(local_ray: None) -> Iterator[Any]:
+    from fake_engines import EVENT_LOG, EVENT_NAMESPACE, EventLog
+
+    log = ray.remote(EventLog).options(name=EVENT_LOG, namespace=EVENT_NAMESPACE, num_cpus=0).remote()
+    ray.get(log.read.remote())
+    try:
+        yield log
+    finally:
+        ray.kill(log, no_restart=True)
+
+
+def cuda_transfer_config(method: str, **overrides: Any) -> ArcticRLClientConfig:
+    """A GPU config whose weight sync is ``method``; the fakes run it on CPU slots (placement device overridden)."""
+    return make_config(device="cuda", weight_sync={"method": method}, **overrides)
+
+
+# The fakes stand for engines on GPUs: the same service path, placed on CPU worker slots.
+CUDA_ON_CPU_SLOTS = {**CPU_SLOTS, "device": "cpu"}
+SYNC_CALLS = ["transfer_start", "transfer_update", "transfer_finish", "reset_prefix_cache"]
+
+
+def train_one_step(client: SyncArcticRLClient, seed: int) -> None:
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    samples = client.generate(prompts, {"n": 2, "max_tokens": 3, "seed": seed})
+    rewards = torch.rand(len(prompts), 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    client.fwd_bwd(grpo_batch(prompts, samples, rewards))
+    client.step()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "overrides"),
+    [("nccl", {"sampling_gpus": 2}), ("cuda_ipc", {"sampling_gpus": 2, "colocate": True})],
+)
+def test_cross_process_sync_sets_up_once_and_the_trainer_drives_the_samplers(
+    transfer_events: Any, method: str, overrides: dict[str, Any]
+) -> None:
+    """The nccl / cuda_ipc orchestration of the service with recording fakes (the real NCCL / IPC transfer needs
+    CUDA): the group forms at the first sync only, every training rank sends, rank 0 drives each sampler through
+    start / update / finish (then its prefix cache is reset), and shutdown closes both sides."""
+    config = cuda_transfer_config(method, **overrides)
+    with start(config, placement_overrides=CUDA_ON_CPU_SLOTS) as client:
+        for sync in range(2):
+            train_one_step(client, seed=sync)
+            norms = client.weight_norm()
+            assert norms["sampling_norm"] != pytest.approx(norms["training_norm"], rel=1e-12)
+            client.sync_weights()
+            norms = client.weight_norm()
+            assert norms["sampling_norm"] == pytest.approx(norms["training_norm"], rel=1e-15)
+        assert client.describe()["weight_sync"] == {"method": method, "transfer_setups": 1}
+    events: list[tuple[str, str]] = ray.get(transfer_events.read.remote())
+    by_engine: dict[str, list[str]] = {}
+    for engine, event in events:
+        by_engine.setdefault(engine, []).append(event)
+    for rank in range(2):
+        assert by_engine[f"training[{rank}]"] == ["transfer_setup", "send_weights", "send_weights", "transfer_shutdown"]
+    for replica in range(2):
+        # Each replica's workers sit after the trainer and the replicas before it in the transfer group.
+        assert by_engine[f"sampling[{replica}]"] == [
+            f"transfer_init rank_offset={1 + replica}",
+            *SYNC_CALLS,
+            *SYNC_CALLS,
+            "transfer_shutdown",
+        ]
+    positions = {engine: [i for i, (name, _) in enumerate(events) if name == engine] for engine in by_engine}
+    sends = [i for i, (name, event) in enumerate(events) if name == "training[0]" and event == "send_weights"]
+    setups = [i for i, (_, event) in enumerate(events) if event == "transfer_setup"]
+    for replica in range(2):
+        init, *sync_calls, _ = positions[f"sampling[{replica}]"]
+        # Rank 0 makes the samplers join inside its own setup; they receive only inside rank 0's send_weights.
+        assert events.index(("training[0]", "transfer_setup")) < init < sends[0]
+        assert max(setups) < sends[0] < sync_calls[0] and sends[1] < sync_calls[len(SYNC_CALLS)]
+
+
+@pytest.mark.slow
+def test_a_sampler_that_dies_during_the_transfer_is_named(local_ray: None) -> None:
+    client = start(cuda_transfer_config("nccl", training_gpus=1), placement_overrides=CUDA_ON_CPU_SLOTS)
+    pids = [engine["pid"] for engine in client.describe()["engines"].values()]
+    try:
+        client.sync_weights()
+        os.kill(client.describe()["engines"]["sampling[0]"]["pid"], signal.SIGKILL)
+        with pytest.raises(EngineError, match=r"sampling\[0\].*died during the weight transfer") as raised:
+            client.sync_weights()
+        assert raised.value.engine == "sampling[0]"
+    finally:
+        client.shutdown()
+    assert_nothing_left(pids)

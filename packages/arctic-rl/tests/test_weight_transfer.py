@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from arctic_rl.config import ArcticRLClientConfig
 from arctic_rl.engines.sampling import _prepare_environment, vllm_engine_arguments
 from arctic_rl.engines.weight_transfer import (
+    GLOO_BACKEND,
     IN_PROCESS_BACKEND,
     SamplerWeightSyncClient,
     bucket_named_tensors,
@@ -57,6 +58,7 @@ def test_transfer_backends_follow_the_sync_method() -> None:
     assert vllm_transfer_backend("object_store") == IN_PROCESS_BACKEND
     assert vllm_transfer_backend("nccl") == "nccl"
     assert vllm_transfer_backend("cuda_ipc") == "ipc"
+    assert vllm_transfer_backend("gloo") == GLOO_BACKEND
     with pytest.raises(ValueError, match="resolved_weight_sync"):
         vllm_transfer_backend("auto")  # type: ignore[arg-type]
 
@@ -227,3 +229,202 @@ def test_nccl_transfer_needs_its_rendezvous() -> None:
             bucket_mb=1,
             low_memory=False,
         )
+
+
+# --------------------------------------------------------------------------------------------------------- gloo
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=40), max_size=12),
+    bucket_elements=st.integers(min_value=1, max_value=64),
+)
+def test_gloo_bucket_spans_cut_like_the_in_process_buckets(sizes: list[int], bucket_elements: int) -> None:
+    from arctic_rl.engines.gloo_transfer import bucket_spans
+
+    named = [(f"p{index}", torch.zeros(size)) for index, size in enumerate(sizes)]
+    expected = [len(bucket) for bucket in bucket_named_tensors(named, bucket_elements * 4)]
+    spans = bucket_spans([size * 4 for size in sizes], bucket_elements * 4)
+    assert [stop - start for start, stop in spans] == expected
+    assert [start for start, _ in spans] == list(itertools.accumulate([0, *expected[:-1]]))[: len(spans)]
+
+
+def test_gloo_buckets_pack_and_unpack_mixed_dtypes_exactly() -> None:
+    from arctic_rl.engines.gloo_transfer import ALIGNMENT, pack_bucket, unpack_bucket
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 5, generator=generator),
+        torch.randn(7, generator=generator).to(torch.bfloat16),
+        torch.empty(0, 4),
+        torch.randn(2, 3, generator=generator, dtype=torch.float64).t(),  # not contiguous
+        torch.arange(5, dtype=torch.int64),
+    ]
+    buffer = pack_bucket(tensors)
+    assert buffer.dtype == torch.uint8 and buffer.numel() % ALIGNMENT == 0
+    unpacked = unpack_bucket(buffer, [list(t.shape) for t in tensors], [t.dtype for t in tensors])
+    for original, received in zip(tensors, unpacked, strict=True):
+        assert received.dtype == original.dtype and received.shape == original.shape
+        assert torch.equal(received, original)
+    with pytest.raises(ValueError, match="does not hold"):
+        unpack_bucket(buffer, [[3, 5]], [torch.float32])
+
+
+class _RecordingModel(torch.nn.Module):
+    """Stands for vLLM's model: records what load_weights receives (copies, as vLLM's loaders do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads: list[list[tuple[str, torch.Tensor]]] = []
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        self.loads.append([(name, tensor.clone()) for name, tensor in weights])
+        return {name for name, _ in weights}
+
+
+class _ThreadClient:
+    """vLLM's sync-client protocol over a gloo worker engine in this process (its calls block, as over Ray, and the
+    trainer engine runs them on its side threads)."""
+
+    def __init__(self, worker: Any, *, join: bool = True) -> None:
+        self.worker, self.join, self.calls = worker, join, []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append("init")
+        if self.join:
+            self.worker.init_transfer_engine(self.worker.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update")
+        self.worker.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish")
+
+
+def _gloo_worker(model: torch.nn.Module) -> Any:
+    from types import SimpleNamespace
+
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from arctic_rl.engines.gloo_transfer import GLOO_BACKEND, register_gloo_engines
+
+    register_gloo_engines()
+    engine_class = WeightTransferEngineFactory._registry[GLOO_BACKEND]()
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None)
+    return engine_class(None, vllm_config, torch.device("cpu"), model)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_gloo_transfer_broadcasts_every_bucket_to_the_worker_and_reuses_its_group() -> None:
+    """The trainer engine and the worker engine over a real gloo group (two ranks, one process): the rendezvous, the
+    bucketed broadcasts in metadata order, and a second round on the same group. vLLM's layerwise reload around
+    them is exercised by the end-to-end test."""
+    from vllm.distributed.weight_transfer.base import ParamMeta
+
+    from arctic_rl.engines.deepspeed_base import free_port
+    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+
+    generator = torch.Generator().manual_seed(0)
+    # 1 MiB buckets: the 1.5 MiB tensor goes alone, the small ones share buckets.
+    weights = {
+        "embed.weight": torch.randn(512, 768, generator=generator),
+        "layers.0.norm.weight": torch.randn(64, generator=generator).to(torch.bfloat16),
+        "layers.0.proj.weight": torch.randn(256, 600, generator=generator),
+        "layers.1.proj.weight": torch.randn(256, 600, generator=generator),
+        "head.bias": torch.randn(3, generator=generator),
+    }
+    metadata = [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in weights.items()]
+    model = _RecordingModel()
+    worker = _gloo_worker(model)
+    client = _ThreadClient(worker)
+    trainer = create_trainer_transfer(
+        "gloo",
+        client=client,
+        parameters=lambda: iter(weights.items()),
+        metadata=metadata,
+        rank=0,
+        bucket_mb=1,
+        low_memory=False,
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        sampler_world_size=1,
+        timeout_s=60,
+    )
+    try:
+        for _ in range(2):
+            model.loads.clear()
+            trainer.send_weights()
+            assert [[name for name, _ in load] for load in model.loads] == [
+                ["embed.weight"],
+                ["layers.0.norm.weight", "layers.0.proj.weight"],
+                ["layers.1.proj.weight", "head.bias"],
+            ]
+            received = dict(pair for load in model.loads for pair in load)
+            for name, tensor in weights.items():
+                assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+            weights = {name: tensor * 2 for name, tensor in weights.items()}
+        assert client.calls == ["init", "start", "update", "finish", "start", "update", "finish"]
+    finally:
+        trainer.shutdown()
+        worker.shutdown()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_gloo_rendezvous_timeout_says_the_samplers_did_not_join() -> None:
+    from arctic_rl.engines.deepspeed_base import free_port
+    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+    from arctic_rl.errors import EngineError
+
+    client = _ThreadClient(_gloo_worker(_RecordingModel()), join=False)
+    with pytest.raises(EngineError, match=r"sampler workers \(1\) did not all join.*within 2 s") as raised:
+        create_trainer_transfer(
+            "gloo",
+            client=client,
+            parameters=lambda: iter([]),
+            metadata=[],
+            rank=0,
+            bucket_mb=1,
+            low_memory=False,
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            sampler_world_size=1,
+            timeout_s=2,
+        )
+    assert raised.value.engine == "sampling"
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_gloo_transfer_refuses_a_source_that_disagrees_with_its_metadata() -> None:
+    from vllm.distributed.weight_transfer.base import ParamMeta
+
+    from arctic_rl.engines.deepspeed_base import free_port
+    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+
+    worker = _gloo_worker(_RecordingModel())
+    declared = [ParamMeta("w", torch.float32, (4,))]
+    trainer = create_trainer_transfer(
+        "gloo",
+        client=_ThreadClient(worker),
+        parameters=lambda: iter([("w", torch.zeros(5))]),
+        metadata=declared,
+        rank=0,
+        bucket_mb=1,
+        low_memory=False,
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        sampler_world_size=1,
+        timeout_s=5,
+    )
+    try:
+        with pytest.raises(ValueError, match=r"metadata declared 'w'"):
+            trainer.send_weights()
+    finally:
+        trainer.shutdown()
+        worker.shutdown()

@@ -5,6 +5,15 @@ can first ask rank 0 for the rendezvous address (its node's IP and a free port) 
 rank at once (DeepSpeed's process group forms only when all ranks join). Environment variables that vLLM and
 DeepSpeed read at import time travel in the actor's ``runtime_env`` so they exist before the engine module imports
 them.
+
+Every actor runs one call at a time (``max_concurrency=1``): an engine is not thread-safe, and the service never has
+two calls in flight on one actor. Cross-process weight sync needs no exception to that. vLLM's trainer-side engine
+drives the samplers itself, so the service hands the training actors a :class:`SamplerFanout` (the sampler actors'
+handles) and trainer rank 0 calls the samplers directly while the service waits on the training actors. Relaying
+those calls through the service instead would deadlock: the service actor is blocked in its own ``sync_weights``
+and could not serve them. Each sampler receives its transfer calls strictly one after another (join the group;
+then per sync start, update, finish): the trainer's half of a rendezvous or a broadcast runs in the training actor,
+concurrently with the sampler's one call, so no sampler ever needs a second call in flight.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from arctic_rl.errors import EngineError
+from arctic_rl.errors import ArcticRLError, EngineError
 
 if TYPE_CHECKING:
     from arctic_rl.config import ArcticRLClientConfig
@@ -27,6 +36,7 @@ __all__ = [
     "DEFAULT_ENGINE_CLASSES",
     "EngineActor",
     "EngineHandle",
+    "SamplerFanout",
     "engine_environment",
     "launch_engine_actor",
 ]
@@ -123,6 +133,43 @@ def _as_engine_error(name: str, what: str, error: Exception) -> Exception:
         return error
     detail = "".join(traceback.format_exception_only(type(error), error)).strip()
     return EngineError(name, f"{what}: {detail}")
+
+
+class SamplerFanout:
+    """A ``SamplerCall`` over the sampler actors: ``fanout(method, args)`` runs ``SamplingEngine.<method>(*args)`` on
+    every replica and waits for all of them. It pickles with the actor handles, so the service passes it to the
+    training actors and trainer rank 0 calls the samplers directly during a weight transfer (see the module
+    docstring). A sampler that dies or fails surfaces as ``EngineError`` naming it; a dead one is reported first."""
+
+    def __init__(self, samplers: list[tuple[str, Any]]) -> None:
+        self.samplers = samplers
+
+    def __call__(self, method: str, args: tuple[Any, ...]) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        references = [(name, actor.call.remote(method, *args)) for name, actor in self.samplers]
+        ray.wait([reference for _, reference in references], num_returns=len(references))
+        failed: list[Exception] = []
+        dead: list[Exception] = []
+        for name, reference in references:
+            try:
+                ray.get(reference)
+            except RayActorError as error:
+                dead.append(
+                    EngineError(
+                        name,
+                        f"its actor process died during the weight transfer ({method}(), {type(error).__name__}); the "
+                        "run cannot continue. Shut the client down and start it again (from a checkpoint).",
+                    )
+                )
+            except RayTaskError as error:
+                cause = error.cause
+                failed.append(
+                    cause if isinstance(cause, ArcticRLError) else EngineError(name, f"{method}() failed: {error}")
+                )
+        if dead or failed:
+            raise (dead or failed)[0]
 
 
 @dataclass

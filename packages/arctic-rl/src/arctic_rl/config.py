@@ -27,7 +27,7 @@ __all__ = [
 
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["float32", "bfloat16"]
-WeightSyncMethod = Literal["nccl", "cuda_ipc", "object_store"]
+WeightSyncMethod = Literal["nccl", "cuda_ipc", "object_store", "gloo"]
 
 # Keys of `ds_config` that a typed field owns; accepting both would leave two sources of truth.
 _DS_CONFIG_OWNED_KEYS: dict[str, str] = {
@@ -217,14 +217,22 @@ class FcaSection(_Section):
 class WeightSyncConfig(_Section):
     """How the trainer's weights reach the sampling engines after each step."""
 
-    method: Literal["auto", "nccl", "cuda_ipc", "object_store"] = Field(
+    method: Literal["auto", "nccl", "cuda_ipc", "object_store", "gloo"] = Field(
         default="auto",
-        description="'auto': CUDA IPC when colocated on GPUs, NCCL when split on GPUs, the Ray object store on CPUs.",
+        description="'auto': CUDA IPC when colocated on GPUs, NCCL when split on GPUs, the Ray object store on CPUs. "
+        "'gloo' is the cross-process path without CUDA: the trainer broadcasts to the samplers over a gloo group "
+        "through vLLM's weight-transfer API, as 'nccl' does on GPUs (CPU machines, or split processes without NCCL).",
     )
     low_memory: bool = Field(
         default=False, description="Stream one bucket at a time instead of staging the full model (colocated GPUs)."
     )
     bucket_mb: int = Field(default=512, ge=1, description="Size of one transfer bucket in MiB.")
+    timeout_s: float = Field(
+        default=300.0,
+        gt=0.0,
+        description="Seconds a cross-process transfer group ('nccl', 'gloo') waits for its members to join, and a "
+        "'gloo' broadcast for its peers.",
+    )
 
 
 class ArcticRLClientConfig(BaseModel):

@@ -113,6 +113,10 @@ class RLService:
         self._step_metrics: dict[str, float] = {}
         self._last_step_metrics: dict[str, float] = {}
         self._closed = False
+        # Cross-process weight sync (nccl, cuda_ipc, gloo): the transfer group is set up at the first sync and
+        # serves every later one; the engines leave it when they stop.
+        self._transfer_ready = False
+        self._transfer_setups = 0
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> dict[str, Any]:
@@ -171,6 +175,7 @@ class RLService:
             "vocab_size": self.vocab_size,
             "step": self.step_count,
             "sleeping": dict(self.sleeping),
+            "weight_sync": {"method": self.config.resolved_weight_sync(), "transfer_setups": self._transfer_setups},
         }
 
     def _slot_node(self, handle: EngineHandle) -> str | None:
@@ -437,20 +442,57 @@ class RLService:
         self._require_awake("training", "sync_weights()")
         self._require_awake("sampling", "sync_weights()")
         method = self.config.resolved_weight_sync()
-        if method != "object_store":
-            raise ConfigError(
-                f"weight_sync.method={method!r} is not wired into the service yet; use "
-                "weight_sync.method='object_store'."
-            )
-        # Every training rank gathers (collective under ZeRO-3); rank 0's full tensors go to the object store once
-        # and each replica reads them from there.
         start = time.perf_counter()
         with self._timer.phase("sync"):
-            gathered = self._call_all(self.training, "iter_full_parameters")
-            reference = ray.put(gathered[0])
-            del gathered
-            self._call_each([(handle, "update_weights", (reference,), {}) for handle in self.sampling])
+            if method == "object_store":
+                # Every training rank gathers (collective under ZeRO-3); rank 0's full tensors go to the object store
+                # once and each replica reads them from there.
+                gathered = self._call_all(self.training, "iter_full_parameters")
+                reference = ray.put(gathered[0])
+                del gathered
+                self._call_each([(handle, "update_weights", (reference,), {}) for handle in self.sampling])
+            else:
+                if not self._transfer_ready:
+                    self._set_up_transfer(method)
+                # Every rank iterates its parameters (ZeRO-3 gathers are collective); rank 0 drives the samplers'
+                # start / update / finish through the fan-out it was given, and finishing resets their prefix caches.
+                self._call_all(self.training, "send_weights")
         return {"time_s": time.perf_counter() - start}
+
+    def _set_up_transfer(self, method: str) -> None:
+        """Form the trainer -> samplers transfer group once: every training rank builds vLLM's trainer-side engine,
+        and rank 0 makes the samplers join while it opens its end (the rendezvous blocks both sides until the group
+        forms). On failure both sides are closed, so the next sync starts the setup afresh."""
+        from arctic_rl.actors import SamplerFanout
+
+        fanout = SamplerFanout([(handle.name, handle.actor) for handle in self.sampling])
+        kwargs: dict[str, Any] = {}
+        if method in ("nccl", "gloo"):
+            # Trainer rank 0 hosts the rendezvous on its own node.
+            rank0 = self.training[0]
+            address, port = self._get(rank0, [rank0.actor.node_ip.remote(), rank0.actor.free_port.remote()])
+            kwargs = {
+                "master_address": address,
+                "master_port": port,
+                "sampler_world_size": len(self.sampling) * self.config.sampling.tensor_parallel_size,
+            }
+        try:
+            self._call_all(self.training, "transfer_setup", method, fanout, **kwargs)
+        except BaseException:
+            self._close_transfer()
+            raise
+        self._transfer_ready = True
+        self._transfer_setups += 1
+
+    def _close_transfer(self) -> None:
+        """Best effort: every training and sampling engine leaves the transfer group (one that is gone has nothing
+        to close)."""
+        import ray
+
+        closes = [handle.actor.call.remote("transfer_shutdown") for handle in [*self.training, *self.sampling]]
+        if closes:
+            ray.wait(closes, num_returns=len(closes), timeout=30)
+        self._transfer_ready = False
 
     def weight_norm(self) -> dict[str, float]:
         self._require_open()

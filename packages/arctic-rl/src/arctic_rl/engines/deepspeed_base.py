@@ -269,6 +269,14 @@ class DeepSpeedModelEngine:
             torch.distributed.all_reduce(total)
         return math.sqrt(float(total))
 
+    def parameter_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(Hugging Face name, dtype, full shape)`` of what :meth:`iter_full_parameters` yields, in its order,
+        without gathering (ZeRO-3 keeps the full shape in ``ds_shape``)."""
+        return [
+            (name, parameter.dtype, tuple(int(size) for size in getattr(parameter, "ds_shape", parameter.shape)))
+            for name, parameter in self.module.named_parameters()
+        ]
+
     def iter_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(Hugging Face name, full tensor)`` for every parameter (tied weights once), in ``named_parameters``
         order. Under ZeRO-3 each parameter is gathered collectively, so every rank must iterate to the end; the

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from arctic_rl.config import ArcticRLClientConfig
+from arctic_rl.engines.gloo_transfer import register_gloo_engines
 from arctic_rl.engines.weight_transfer import (
     bucket_named_tensors,
     register_in_process_engine,
@@ -107,9 +108,10 @@ class SamplingEngine:
         self.name = f"sampling[{replica}]"
         self.device = config.resolved_device()
         self.weight_sync = config.resolved_weight_sync()
-        if self.weight_sync == "object_store" and config.sampling.tensor_parallel_size != 1:
+        if self.weight_sync in ("object_store", "gloo") and config.sampling.tensor_parallel_size != 1:
+            # Our transfer engines are registered in this process; tensor-parallel workers run in their own.
             raise ConfigError(
-                "weight_sync.method='object_store' loads weights into a single in-process vLLM worker, but "
+                f"weight_sync.method={self.weight_sync!r} loads weights into a single in-process vLLM worker, but "
                 f"sampling.tensor_parallel_size={config.sampling.tensor_parallel_size}; use 'nccl' or 'cuda_ipc' "
                 "(or 'auto') with tensor parallelism."
             )
@@ -126,6 +128,8 @@ class SamplingEngine:
         arctic_fca.set_active(config.fca.enable)
         if self.weight_sync == "object_store":
             register_in_process_engine()
+        elif self.weight_sync == "gloo":
+            register_gloo_engines()
         try:
             self._llm = vllm.LLM(**arguments)
         except Exception as error:
@@ -343,8 +347,8 @@ class SamplingEngine:
         ``object_store`` sync: the pairs are loaded through vLLM's ``start_weight_update`` / ``update_weights`` /
         ``finish_weight_update`` with our in-process transfer engine, ``weight_sync.bucket_mb`` per call (a
         generator is consumed bucket by bucket). Send every part of a fused vLLM parameter in the same update (q, k
-        and v; gate and up); in practice, the full model. With ``nccl`` / ``cuda_ipc`` the trainer drives the
-        ``transfer_*`` methods instead.
+        and v; gate and up); in practice, the full model. With ``nccl`` / ``cuda_ipc`` / ``gloo`` the trainer drives
+        the ``transfer_*`` methods instead.
         """
         if self.weight_sync != "object_store":
             raise EngineStateError(
@@ -373,8 +377,34 @@ class SamplingEngine:
         self.reset_prefix_cache()
 
     def transfer_init(self, init_info: dict[str, Any]) -> None:
-        """Receiver side of vLLM's nccl / ipc engines: the trainer's rendezvous info (blocks until it connects)."""
-        self._llm.init_weight_transfer_engine({"init_info": init_info})
+        """Receiver side of the cross-process engines (nccl, ipc, gloo): join the trainer's transfer group (blocks
+        until every member has joined). Called once; the group serves every later sync until
+        :meth:`transfer_shutdown`.
+
+        Each replica is its own ``vllm.LLM`` whose workers number their ranks from 0, so a rendezvous that places the
+        workers after the trainer (``rank_offset``) is shifted by this replica's ``replica x tensor_parallel_size``.
+        """
+        if self._transfer_ready:
+            raise EngineStateError(
+                f"the weight transfer ({self.weight_sync!r}) is already initialised; it serves every sync until "
+                "transfer_shutdown().",
+                engine=self.name,
+            )
+        info = dict(init_info)
+        if "rank_offset" in info:
+            info["rank_offset"] = int(info["rank_offset"]) + self.replica * self.config.sampling.tensor_parallel_size
+        try:
+            self._llm.init_weight_transfer_engine({"init_info": info})
+        except Exception as error:
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                where = f" at {info['master_address']}:{info['master_port']}" if "master_address" in info else ""
+                raise EngineError(
+                    self.name,
+                    f"the trainer (rank 0 of the {self.weight_sync!r} weight-transfer group{where}) did not let this "
+                    f"sampler join: {error}. The trainer or another sampler did not join in time; check their logs, "
+                    "or raise weight_sync.timeout_s.",
+                ) from error
+            raise
         self._transfer_ready = True
 
     def transfer_start(self) -> None:
@@ -387,10 +417,25 @@ class SamplingEngine:
         self._llm.start_weight_update()
 
     def transfer_update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._llm.update_weights({"update_info": update_info})
+        try:
+            self._llm.update_weights({"update_info": update_info})
+        except Exception as error:
+            # vLLM ends the update session itself when a chunk fails; the layers loaded so far keep the new values.
+            raise EngineError(
+                self.name,
+                f"receiving weights ({self.weight_sync!r}) failed: {error}; the sampler's weights may be partly "
+                "updated: sync again once the cause is fixed.",
+            ) from error
 
     def transfer_finish(self) -> None:
         self._finish_update()
+
+    def transfer_shutdown(self) -> None:
+        """Leave the transfer group (the trainer's side is shut down by ``TrainingEngine.transfer_shutdown``)."""
+        if self.weight_sync == "object_store" or not self._transfer_ready:
+            return
+        self._transfer_ready = False
+        self._llm.shutdown_weight_transfer_engine()
 
     def weight_norm(self) -> float:
         """fp64 ``sqrt(sum of squares)`` over every vLLM parameter (shards summed, replicated parameters once).
@@ -419,6 +464,7 @@ class SamplingEngine:
         return {"enabled": 1.0, **{name: float(value) for name, value in vars(stats).items()}}
 
     def shutdown(self) -> None:
-        """Release vLLM's engine (the process keeps running)."""
+        """Leave the weight-transfer group and release vLLM's engine (the process keeps running)."""
         if hasattr(self, "_llm"):
+            self.transfer_shutdown()
             del self._llm

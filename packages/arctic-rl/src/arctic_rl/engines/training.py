@@ -26,10 +26,11 @@ from torch import nn
 from arctic_rl.engines.deepspeed_base import DeepSpeedModelEngine
 from arctic_rl.engines.model import load_tokenizer
 from arctic_rl.engines.policy_forward import forward_responses, select_samples
-from arctic_rl.errors import EngineError, EngineStateError
+from arctic_rl.errors import EngineError, EngineStateError, import_optional
 
 if TYPE_CHECKING:
     from arctic_rl.config import ArcticRLClientConfig, TrainingConfig
+    from arctic_rl.engines.weight_transfer import CrossProcessMethod, SamplerCall
 
 __all__ = ["CHECKPOINT_TAG_PREFIX", "SLEEP_MODES", "TrainingEngine", "lr_multiplier"]
 
@@ -95,6 +96,7 @@ class TrainingEngine(DeepSpeedModelEngine):
         self.step_count = 0
         self._pending_micro_batches = 0
         self._last_grad_norm: float | None = None
+        self._transfer: Any = None
         super().__init__(
             config, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, role=role
         )
@@ -385,3 +387,71 @@ class TrainingEngine(DeepSpeedModelEngine):
         self.step_count = int(client_state["step_count"])
         torch.set_rng_state(client_state["torch_rng"])
         return int(client_state["arctic_rl_step"])
+
+    # ------------------------------------------------------------------------------------------ weight transfer
+    def transfer_setup(
+        self,
+        method: CrossProcessMethod,
+        samplers: SamplerCall,
+        *,
+        master_address: str | None = None,
+        master_port: int | None = None,
+        sampler_world_size: int | None = None,
+    ) -> None:
+        """Set up the cross-process weight transfer (``nccl``, ``cuda_ipc``, ``gloo``) once; every rank calls it.
+
+        ``samplers(method, args)`` runs a ``SamplingEngine`` method on every sampler replica and waits (over their
+        Ray actors in a cluster): rank 0's vLLM trainer engine drives the samplers' ``transfer_*`` methods through
+        it, so this process must be able to reach them. For ``nccl`` and ``gloo`` rank 0 hosts the group's
+        rendezvous at ``master_address:master_port`` (this node's address and a free port) and the
+        ``sampler_world_size`` sampler workers join it; this call returns when the group has formed. The transfer
+        then serves every :meth:`send_weights` until :meth:`transfer_shutdown`.
+        """
+        from arctic_rl.engines.weight_transfer import SamplerWeightSyncClient, create_trainer_transfer
+
+        self._require_awake("transfer_setup")
+        if self._transfer is not None:
+            raise EngineStateError(
+                "the weight transfer is already set up and serves every send_weights(); call transfer_shutdown() "
+                "before setting up another.",
+                engine=self.name,
+            )
+        base = import_optional(
+            "vllm.distributed.weight_transfer.base", extra="vllm", purpose=f"by weight_sync.method={method!r}"
+        )
+        metadata = [base.ParamMeta(name, dtype, shape) for name, dtype, shape in self.parameter_metadata()]
+        sync = self.config.weight_sync
+        self._transfer = create_trainer_transfer(
+            method,
+            client=SamplerWeightSyncClient(samplers),
+            parameters=self.iter_full_parameters,
+            metadata=metadata,
+            rank=self.rank,
+            bucket_mb=sync.bucket_mb,
+            low_memory=sync.low_memory,
+            master_address=master_address,
+            master_port=master_port,
+            sampler_world_size=sampler_world_size,
+            timeout_s=sync.timeout_s,
+        )
+
+    def send_weights(self) -> None:
+        """Send the full weights to every sampler over the transfer :meth:`transfer_setup` built; every rank calls
+        it (under ZeRO-3 each parameter is gathered collectively). Rank 0 drives the samplers' start / update /
+        finish, and finishing resets their prefix caches."""
+        self._require_awake("send_weights")
+        if self._transfer is None:
+            raise EngineStateError(
+                "send_weights() needs the weight transfer: call transfer_setup(...) first.", engine=self.name
+            )
+        self._transfer.send_weights()
+
+    def transfer_shutdown(self) -> None:
+        """Close this rank's side of the weight transfer (idempotent)."""
+        transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            transfer.shutdown()
+
+    def shutdown(self) -> None:
+        """Release what outlives a call: the weight-transfer group (the process keeps running)."""
+        self.transfer_shutdown()

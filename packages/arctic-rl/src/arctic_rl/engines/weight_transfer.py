@@ -3,7 +3,7 @@
 vLLM (0.32+) exposes ``LLM.init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update``; a worker-side ``WeightTransferEngine`` chosen by the engine argument
 ``weight_transfer_config={"backend": ...}`` receives the weights, and a trainer-side ``TrainerWeightTransferEngine``
-sends them. Three methods (``WeightSyncConfig.method``) map onto it:
+sends them. Four methods (``WeightSyncConfig.method``) map onto it:
 
 - ``object_store`` (the CPU, and any single-process sampler): our :class:`InProcessWeightTransferEngine`, registered
   under :data:`IN_PROCESS_BACKEND` with ``WeightTransferEngineFactory.register_engine``. The sampler runs vLLM
@@ -17,6 +17,12 @@ sends them. Three methods (``WeightSyncConfig.method``) map onto it:
   :func:`create_trainer_transfer` builds the matching trainer-side engine over a :class:`ParameterStreamSource`,
   bucketed by ``weight_sync.bucket_mb`` (``low_memory`` streams one bucket at a time). These run only on CUDA and are
   not exercised by the CPU tests.
+- ``gloo`` (the CPU, or any trainer and sampler in separate processes): our gloo engines
+  (:mod:`arctic_rl.engines.gloo_transfer`), registered under :data:`GLOO_BACKEND` on both factories; the same
+  cross-process lifecycle as ``nccl`` (a rendezvous, then broadcasts from trainer rank 0), over gloo.
+
+Across processes (``nccl``, ``cuda_ipc``, ``gloo``) the trainer-side engine drives the samplers itself through a
+``VLLMWeightSyncClient`` (:class:`SamplerWeightSyncClient`): the trainer process must be able to call every sampler.
 
 Weights always travel in Hugging Face names and layouts (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``,
 no ``lm_head`` when embeddings are tied); vLLM's ``load_weights`` fuses them. A fused vLLM parameter must receive all
@@ -33,10 +39,13 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
+from arctic_rl.engines.gloo_transfer import GLOO_BACKEND, gloo_trainer_init_info
+
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransferEngine, VLLMWeightSyncClient
 
 __all__ = [
+    "GLOO_BACKEND",
     "IN_PROCESS_BACKEND",
     "SamplerCall",
     "SamplerWeightSyncClient",
@@ -50,9 +59,15 @@ __all__ = [
 IN_PROCESS_BACKEND = "arctic_in_process"
 """Name of our CPU / in-process worker engine in vLLM's ``WeightTransferEngineFactory``."""
 
-TransferMethod = Literal["nccl", "cuda_ipc", "object_store"]
+TransferMethod = Literal["nccl", "cuda_ipc", "object_store", "gloo"]
+CrossProcessMethod = Literal["nccl", "cuda_ipc", "gloo"]
 
-_VLLM_BACKENDS: dict[str, str] = {"nccl": "nccl", "cuda_ipc": "ipc", "object_store": IN_PROCESS_BACKEND}
+_VLLM_BACKENDS: dict[str, str] = {
+    "nccl": "nccl",
+    "cuda_ipc": "ipc",
+    "object_store": IN_PROCESS_BACKEND,
+    "gloo": GLOO_BACKEND,
+}
 
 _register_lock = threading.Lock()
 
@@ -226,7 +241,8 @@ def worker_sum_of_squares(worker: Any) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# CUDA paths (nccl, cuda_ipc): the trainer-side half, over vLLM's trainer engines. Untested on CPU machines.
+# Cross-process paths (nccl, cuda_ipc, gloo): the trainer-side half, over vLLM's trainer engines. nccl and cuda_ipc
+# need CUDA and are untested on CPU machines; gloo runs anywhere.
 # ---------------------------------------------------------------------------------------------------------------
 
 SamplerCall = Callable[[str, tuple[Any, ...]], None]
@@ -280,7 +296,7 @@ def _parameter_stream_source(
 
 
 def create_trainer_transfer(
-    method: Literal["nccl", "cuda_ipc"],
+    method: CrossProcessMethod,
     *,
     client: VLLMWeightSyncClient,
     parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]],
@@ -291,6 +307,7 @@ def create_trainer_transfer(
     master_address: str | None = None,
     master_port: int | None = None,
     sampler_world_size: int | None = None,
+    timeout_s: float = 300.0,
 ) -> TrainerWeightTransferEngine[Any]:
     """Build (and rendezvous) vLLM's trainer-side engine for ``method``; call ``.send_weights()`` once per sync.
 
@@ -302,6 +319,8 @@ def create_trainer_transfer(
     - ``cuda_ipc``: colocated; without ``low_memory`` each parameter is shared by IPC handle in one round (the
       sampler loads straight from the trainer's memory); with ``low_memory`` the parameters stream through one
       ``bucket_mb`` staging buffer, one bucket per round.
+    - ``gloo``: like ``nccl`` (same rendezvous arguments) over a gloo group, one broadcast per ``bucket_mb`` bucket;
+      the group waits ``timeout_s`` for its members at the rendezvous and for every broadcast.
     """
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
@@ -310,12 +329,24 @@ def create_trainer_transfer(
     bucket_bytes = bucket_mb * 1024 * 1024
     source = _parameter_stream_source(parameters, metadata)
     init_info: Any
-    if method == "nccl":
-        if master_address is None or master_port is None or sampler_world_size is None:
-            raise ValueError(
-                "nccl weight transfer needs master_address, master_port and sampler_world_size (sampler replicas x "
-                f"tensor_parallel_size), got {master_address!r}, {master_port!r}, {sampler_world_size!r}."
-            )
+    rendezvous = (master_address, master_port, sampler_world_size)
+    if method in ("nccl", "gloo") and None in rendezvous:
+        raise ValueError(
+            f"{method} weight transfer needs master_address, master_port and sampler_world_size (sampler replicas "
+            f"x tensor_parallel_size), got {master_address!r}, {master_port!r}, {sampler_world_size!r}."
+        )
+    if method == "gloo":
+        assert master_address is not None and master_port is not None and sampler_world_size is not None
+        init_info = gloo_trainer_init_info(
+            master_address=master_address,
+            master_port=master_port,
+            world_size=1 + sampler_world_size,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+            rank=rank,
+        )
+    elif method == "nccl":
+        assert master_address is not None and master_port is not None and sampler_world_size is not None
         init_info = NCCLTrainerInitInfo(
             master_address=master_address,
             master_port=master_port,
@@ -328,5 +359,5 @@ def create_trainer_transfer(
     elif method == "cuda_ipc":
         init_info = IPCTrainerInitInfo(packed=low_memory, packed_buffer_size_bytes=bucket_bytes, rank=rank)
     else:
-        raise ValueError(f"create_trainer_transfer handles 'nccl' and 'cuda_ipc', got {method!r}.")
+        raise ValueError(f"create_trainer_transfer handles 'nccl', 'cuda_ipc' and 'gloo', got {method!r}.")
     return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
