@@ -175,14 +175,14 @@ def zorro_transformers(session: nox.Session, transformers: str) -> None:
 
 @nox.session(python="3.11")
 def bench_checks(session: nox.Session) -> None:
-    """The tests of ``benchmarks/`` (not of any package): every script imports against the packages, the lab probes'
-    CPU dry runs match torch, the committed headline results are complete."""
+    """The tests of ``benchmarks/`` and ``recipes/`` (not of any package): every script imports against the packages,
+    the lab probes' CPU dry runs match torch, the committed headline results are complete, the main job runs."""
     local = {name: str(ROOT / "packages" / name) for name in PACKAGES}
     _install(session, local["arctic-dedup"], local["arctic-zorro-train"], *TEST_TOOLS)
     env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
     session.run(
-        "python", "-m", "pytest", str(ROOT / "benchmarks" / "tests"), "-q", "-p", "no:cacheprovider", *session.posargs,
-        env=env,
+        "python", "-m", "pytest", str(ROOT / "benchmarks" / "tests"), str(ROOT / "recipes" / "tests"), "-q",
+        "-p", "no:cacheprovider", *session.posargs, env=env,
     )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ Timing: one batch, ``--warmup`` untimed steps per side, then ``--timed-steps`` s
 order alternates every step) so that both sides share the machine's noise; the report gives medians and spreads.
 A measured speedup above the FLOP bound is reported as noise, not as a result.
 
-    python recipes/zorro_tiny_cpu.py [--timed-steps 15] [--batch-size 16] [--prompts 2] [--prompt-len 256]
+    python recipes/zorro_tiny_cpu.py [--timed-steps 9] [--batch-size 16] [--prompts 2] [--prompt-len 256]
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check-batches", type=int, default=3, help="batches the exactness check runs over")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side before timing")
-    parser.add_argument("--timed-steps", type=int, default=15, help="timed steps per side (>= 2)")
+    parser.add_argument("--timed-steps", type=int, default=9, help="timed steps per side (>= 2)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=2, help="unique prompts per batch")
     parser.add_argument("--prompt-len", type=int, default=256)
