@@ -175,8 +175,8 @@ def zorro_transformers(session: nox.Session, transformers: str) -> None:
 
 @nox.session(python="3.11")
 def bench_checks(session: nox.Session) -> None:
-    """The tests of ``benchmarks/`` (not of any package): every script imports against the packages, the lab probes'
-    CPU dry runs match torch, the committed headline results are complete."""
+    """The tests of ``benchmarks/`` and ``recipes/`` (not of any package): every script imports against the packages,
+    the lab probes' CPU dry runs match torch, the committed headline results are complete, the main job runs."""
     local = {name: str(ROOT / "packages" / name) for name in PACKAGES}
     # rl_engine.py drives arctic-rl's DeepSpeed training engine (no vLLM): the engines' side without the sampler.
     _install(
@@ -189,8 +189,8 @@ def bench_checks(session: nox.Session) -> None:
     )
     env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0", "DS_ACCELERATOR": "cpu"}
     session.run(
-        "python", "-m", "pytest", str(ROOT / "benchmarks" / "tests"), "-q", "-p", "no:cacheprovider", *session.posargs,
-        env=env,
+        "python", "-m", "pytest", str(ROOT / "benchmarks" / "tests"), str(ROOT / "recipes" / "tests"), "-q",
+        "-p", "no:cacheprovider", *session.posargs, env=env,
     )  # fmt: skip
 
 
