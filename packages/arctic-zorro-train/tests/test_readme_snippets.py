@@ -18,7 +18,7 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 # The "Use" section's Qwen3-4B example needs a GPU and the hub; the other blocks build tiny models in code.
-EXPECTED_RUN, EXPECTED_SKIPPED = 3, 1
+EXPECTED_RUN, EXPECTED_SKIPPED = 4, 1
 SKIP_MARKER = re.compile(r"<!-- snippet: skip \((?P<reason>.+?)\) -->")
 SNIPPET_TIMEOUT_S = 300
 
