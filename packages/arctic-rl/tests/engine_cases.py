@@ -100,23 +100,33 @@ def data_parallel_rank(
     batch: dict[str, torch.Tensor],
     shares: list[list[int]],
     results: str,
+    training: dict[str, Any] | None = None,
 ) -> None:
-    """One rank of the multi-rank test: its share of the batch, one step, then the full weights (collective)."""
+    """One rank of the multi-rank test: its share of the batch, one step, then the full weights (collective).
+    ``training`` adds TrainingConfig fields (e.g. a small ``micro_batch_tokens``)."""
     torch.set_num_threads(1)
     from arctic_rl.engines.training import TrainingEngine
 
     engine = TrainingEngine(
-        make_config(model_dir, training={"zero_stage": stage, **GRADIENT_PROPORTIONAL_ADAM}),
+        make_config(model_dir, training={"zero_stage": stage, **GRADIENT_PROPORTIONAL_ADAM, **(training or {})}),
         rank=rank,
         world_size=world_size,
         master_port=port,
     )
     share = select_rows(batch, shares[rank])
+    outcome_log_probs = engine.fwd_no_grad(share)["logprobs"]
     reply = fwd_bwd(engine, share, step_denominators(batch))
     stepped = engine.step()
     weights = full_parameters(engine)
     norm = engine.weight_norm()
-    outcome = {"loss": reply["loss"], "step": stepped, "weight_norm": norm, "weights": weights if rank == 0 else None}
+    outcome = {
+        "loss": reply["loss"],
+        "micro_batches": reply["micro_batches"],
+        "log_probs": outcome_log_probs,
+        "step": stepped,
+        "weight_norm": norm,
+        "weights": weights if rank == 0 else None,
+    }
     torch.save(outcome, f"{results}/rank{rank}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -249,16 +250,56 @@ def test_two_ranks_step_like_one_rank_on_the_same_global_batch(model_dir: str, s
         batch["input_ids"], RESPONSE_WIDTH, batch["attention_mask"], batch["position_ids"]
     )
     shares = partition_for_data_parallel(prompt_groups(layout), 2)
-    torch.multiprocessing.start_processes(
+    _compare_two_ranks_with_one(model_dir, stage, batch, shares, tmp_path)
+
+
+@pytest.mark.slow
+def test_zero3_ranks_with_different_micro_batch_counts_step_like_one_rank(model_dir: str, tmp_path: Path) -> None:
+    """Rank 0 holds three prompt groups, rank 1 one; a budget of one group per micro-batch gives them 3 and 1
+    micro-batches. ZeRO-3 gathers parameters collectively in every pass: rank 1 must pad, or both hang."""
+    from arctic_dedup.balance import prompt_groups
+    from arctic_dedup.layout import SampleLayout
+
+    batch = make_batch(10, 4, seed=14)
+    layout = SampleLayout.from_padded(
+        batch["input_ids"], RESPONSE_WIDTH, batch["attention_mask"], batch["position_ids"]
+    )
+    groups = prompt_groups(layout)
+    shares = [sorted(s for group in groups[:3] for s in group.samples), sorted(groups[3].samples)]
+    budget = max(group.dedup_tokens for group in groups)
+    ranks = _compare_two_ranks_with_one(model_dir, 3, batch, shares, tmp_path, training={"micro_batch_tokens": budget})
+    assert [outcome["micro_batches"] for outcome in ranks] == [3, 1]
+
+
+def _compare_two_ranks_with_one(
+    model_dir: str,
+    stage: int,
+    batch: dict[str, torch.Tensor],
+    shares: list[list[int]],
+    tmp_path: Path,
+    training: dict[str, Any] | None = None,
+    timeout_s: float = 600.0,
+) -> list[dict[str, Any]]:
+    context = torch.multiprocessing.start_processes(
         data_parallel_rank,
-        args=(2, free_port(), model_dir, stage, batch, shares, str(tmp_path)),
+        args=(2, free_port(), model_dir, stage, batch, shares, str(tmp_path), training),
         nprocs=2,
-        join=True,
+        join=False,
         start_method="spawn",
     )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError(f"the two ranks did not finish within {timeout_s:.0f} s (a collective mismatch?)")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
-    single = TrainingEngine(make_config(model_dir, training={"zero_stage": stage, **GRADIENT_PROPORTIONAL_ADAM}))
+    single_training = {"zero_stage": stage, **GRADIENT_PROPORTIONAL_ADAM, **(training or {})}
+    single = TrainingEngine(make_config(model_dir, training=single_training))
+    single_log_probs = single.fwd_no_grad(batch)["logprobs"]
+    for outcome, share in zip(ranks, shares, strict=True):
+        assert float((outcome["log_probs"] - single_log_probs[share]).abs().max()) <= TOLERANCE
     reply, stepped = _train(single, batch)
     expected_weights = full_parameters(single)
     assert math.isclose(ranks[0]["loss"] + ranks[1]["loss"], reply["loss"], rel_tol=TOLERANCE)
@@ -272,6 +313,7 @@ def test_two_ranks_step_like_one_rank_on_the_same_global_batch(model_dir: str, s
         for name in expected_weights
     }
     assert max(errors.values()) <= TOLERANCE, errors
+    return ranks
 
 
 def _initial_weights(model_dir: str) -> dict[str, torch.Tensor]:

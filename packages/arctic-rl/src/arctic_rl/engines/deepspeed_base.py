@@ -207,6 +207,18 @@ class DeepSpeedModelEngine:
             deduplicated=self._zorro,
         )
 
+    def _micro_batches_to_pad(self, count: int) -> int:
+        """How many extra (discarded) micro-batches this rank runs so every rank runs as many as the busiest one.
+
+        Under ZeRO-3 every forward and backward gathers the parameters collectively, so ranks whose shares cut into
+        different numbers of micro-batches would wait on each other forever. ZeRO 0-2 run no collective before
+        ``step()``, so they need no padding."""
+        if self.world_size == 1 or self.zero_stage != 3:
+            return 0
+        counts = torch.tensor([count], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        return int(counts.item()) - count
+
     # ------------------------------------------------------------------------------------------------ forward
     def fwd_no_grad(
         self, batch: Mapping[str, Any], *, calculate_entropy: bool = False, temperature: float = 1.0
@@ -217,6 +229,8 @@ class DeepSpeedModelEngine:
         self._check_temperature(temperature)
         checked = self._validate(batch, require=())
         plan = self._plan(checked, for_training=False)
+        # Agree on the pass count before the first pass: the count's all-reduce must not meet a parameter gather.
+        padding = self._micro_batches_to_pad(len(plan.samples))
         shape = tuple(checked["responses"].shape)
         log_probs = torch.zeros(shape, dtype=torch.float32)
         entropy = torch.zeros(shape, dtype=torch.float32) if calculate_entropy else None
@@ -237,6 +251,12 @@ class DeepSpeedModelEngine:
                     log_probs[rows] = outputs.log_probs.float().cpu()
                     if entropy is not None and outputs.entropy is not None:
                         entropy[rows] = outputs.entropy.float().cpu()
+                for _ in range(padding):
+                    # Joins the other ranks' parameter gathers; the result is discarded.
+                    micro = select_samples(checked, plan.samples[0], self.device)
+                    forward_responses(
+                        self._engine, micro, zorro=self._zorro, temperature=float(temperature), calculate_entropy=False
+                    )
         finally:
             self._engine.train(was_training)
         result = {"logprobs": log_probs}

@@ -193,6 +193,8 @@ class TrainingEngine(DeepSpeedModelEngine):
         if checked["advantages"].dim() == 1:
             checked["advantages"] = checked["advantages"].unsqueeze(1).expand(-1, width).contiguous()
         plan = self._plan(checked, for_training=True)
+        # Agree on the pass count before the first pass: the count's all-reduce must not meet a parameter gather.
+        padding = self._micro_batches_to_pad(len(plan.samples))
 
         loss_total = torch.zeros((), dtype=torch.float64)
         metric_totals: dict[str, torch.Tensor] = {}
@@ -221,6 +223,13 @@ class TrainingEngine(DeepSpeedModelEngine):
             for name, metric in output.metrics.items():
                 share = metric.detach().double().cpu()
                 metric_totals[name] = metric_totals[name] + share if name in metric_totals else share
+        for _ in range(padding):
+            # ZeRO-3: join the other ranks' parameter gathers with a pass whose gradient is exactly zero.
+            micro = select_samples(checked, plan.samples[0], self.device)
+            outputs = forward_responses(
+                self._engine, micro, zorro=self._zorro, temperature=float(temperature), calculate_entropy=False
+            )
+            self._engine.backward(outputs.log_probs.sum() * 0.0, scale_wrt_gas=False)
         return {
             "loss": float(loss_total),
             "metrics": {name: float(value) for name, value in metric_totals.items()},
