@@ -38,7 +38,15 @@ RL_THIN_CLIENT_TESTS = [
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "typecheck", "lock_check", "tests", "zorro_transformers", "bench_checks"]
+nox.options.sessions = [
+    "lint",
+    "typecheck",
+    "lock_check",
+    "tests",
+    "zorro_transformers",
+    "dedup_triton",
+    "bench_checks",
+]
 nox.options.error_on_missing_interpreters = True
 
 
@@ -171,6 +179,45 @@ def zorro_transformers(session: nox.Session, transformers: str) -> None:
         *session.posargs,
         env=env,
     )
+
+
+# The lowest and the newest Triton arctic-dedup declares (triton>=3.6,<3.10); CI's other sessions run 3.7.1.
+DEDUP_TRITON = ["3.6.0", "3.9.0"]
+# The tests that run arctic-dedup's Triton kernels (under the interpreter on the CPU).
+DEDUP_TRITON_TESTS = [
+    "test_packing.py",
+    "attention/test_tree_attention_triton.py",
+    "forest/test_forest_decode.py",
+    "forest/test_forest_early_combine.py",
+]
+
+
+def _constraints_without(session: nox.Session, package: str) -> list[str]:
+    """The CPU install arguments with ``package``'s pin dropped from the constraints (for sessions that pin it)."""
+    args = _cpu_install_args()
+    if args:
+        pinned = (ROOT / "ci" / "constraints-cpu.txt").read_text().splitlines()
+        constraints = Path(session.create_tmp()) / f"constraints-without-{package}.txt"
+        constraints.write_text("\n".join(line for line in pinned if not line.startswith(package)) + "\n")
+        args[1] = str(constraints)
+    return args
+
+
+@nox.session(python="3.11")
+@nox.parametrize("triton", DEDUP_TRITON)
+def dedup_triton(session: nox.Session, triton: str) -> None:
+    """arctic-dedup's Triton kernels on the bounds of its declared Triton range, under the interpreter."""
+    dedup = str(ROOT / "packages" / "arctic-dedup")
+    session.install(*_constraints_without(session, "triton"), dedup, f"triton=={triton}", *TEST_TOOLS)
+    env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+    tests = [str(ROOT / "packages" / "arctic-dedup" / "tests" / name) for name in DEDUP_TRITON_TESTS]
+    # Triton 3.6's interpreter converts one-element NumPy arrays to scalars, which NumPy >= 1.25 deprecates (thousands
+    # of warnings from triton/runtime/interpreter.py, none from our code; later Triton releases no longer do it).
+    numpy_in_triton_36 = "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+    session.run(
+        "python", "-m", "pytest", *tests, "-m", "not gpu", "-q", "-p", "no:cacheprovider", "-W", numpy_in_triton_36,
+        *session.posargs, env=env,
+    )  # fmt: skip
 
 
 @nox.session(python="3.11")
