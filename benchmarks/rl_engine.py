@@ -70,6 +70,7 @@ def time_variant(model_dir: str, zorro: bool, args: argparse.Namespace) -> dict[
             "zero_stage": 2,
             "max_grad_norm": 1.0,
             "micro_batch_tokens": args.micro_batch_tokens,
+            "gradient_checkpointing": args.gradient_checkpointing,
         },
         zorro_train={"enable": zorro},
     )
@@ -140,7 +141,12 @@ def flop_bound(model_dir: Path, args: argparse.Namespace) -> tuple[float, float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
-    parser.add_argument("--layers", type=int, default=12, help="decoder layers of the Qwen3-4B layer shape")
+    parser.add_argument("--layers", type=int, default=36, help="decoder layers of the Qwen3-4B layer shape")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward, both runs (36 layers need it to fit one GPU)",
+    )
     parser.add_argument("--prompt", type=int, default=8192)
     parser.add_argument("--response", type=int, default=512)
     parser.add_argument("--group", type=int, default=16)
@@ -167,6 +173,8 @@ def main() -> None:
         passthrough = ["--smoke"] if args.smoke else []
         for option in ("layers", "prompt", "response", "group", "micro_batch_tokens", "warmup", "repeats"):
             passthrough += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+        if args.gradient_checkpointing:
+            passthrough.append("--gradient-checkpointing")
         for zorro in ("off", "on"):
             environment = dict(os.environ, DS_ACCELERATOR="cpu" if args.smoke else os.environ.get("DS_ACCELERATOR", ""))
             if not environment["DS_ACCELERATOR"]:
@@ -193,6 +201,8 @@ def main() -> None:
         "group": args.group,
         "flop_bound": bound,
         "goal": GOAL,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
     }
     if True in timed and False in timed:
         speedup = timed[False]["seconds"] / timed[True]["seconds"]

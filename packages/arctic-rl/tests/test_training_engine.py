@@ -90,6 +90,25 @@ def test_zorro_on_and_off_give_the_same_logprobs_and_gradients(model_dir: str) -
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zorro", [True, False], ids=["zorro", "padded"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_dir: str, zorro: bool) -> None:
+    batch = make_batch(seed=6)
+    results = {}
+    for recompute in (True, False):
+        engine = TrainingEngine(
+            make_config(model_dir, training={"gradient_checkpointing": recompute}, zorro_train={"enable": zorro})
+        )
+        assert engine.module.is_gradient_checkpointing is recompute
+        reply = fwd_bwd(engine, batch, entropy_coef=0.01)
+        results[recompute] = (reply["loss"], stage0_gradients(engine))
+    (loss, grads), (plain_loss, plain_grads) = results[True], results[False]
+    assert math.isclose(loss, plain_loss, rel_tol=TOLERANCE)
+    assert all(float(grad.abs().max()) > 0 for grad in plain_grads.values())
+    errors = {name: relative_l2(grads[name], plain_grads[name]) for name in plain_grads}
+    assert max(errors.values()) <= TOLERANCE, errors
+
+
+@pytest.mark.slow
 def test_micro_batch_split_does_not_change_the_step(model_dir: str) -> None:
     """One micro-batch, a small token budget, a fixed accumulation count, and a step fed by two fwd_bwd calls all
     give the gradient of the same global loss."""

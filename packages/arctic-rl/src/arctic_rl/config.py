@@ -91,6 +91,11 @@ class TrainingConfig(_Section):
         default=16384, ge=1, description="Token budget of one micro-batch (prompt plus response tokens, per rank)."
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the training engine.")
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each decoder layer's activations in the backward (about a third more compute, a "
+        "fraction of the activation memory); the same gradients.",
+    )
 
     @field_validator("betas")
     @classmethod

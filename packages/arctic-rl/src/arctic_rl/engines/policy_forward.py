@@ -180,6 +180,6 @@ def _restrict_groups(groups: Sequence[PromptGroup], members: set[int]) -> list[P
 
 
 def select_samples(batch: Batch, samples: Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """The rows ``samples`` of every ``[B, ...]`` tensor of the batch, on ``device``."""
-    index = torch.tensor(list(samples), dtype=torch.long)
+    """The rows ``samples`` of every ``[B, ...]`` tensor of the batch (all on one device), on ``device``."""
+    index = torch.tensor(list(samples), dtype=torch.long, device=batch["input_ids"].device)
     return {name: value.index_select(0, index).to(device) for name, value in batch.items()}

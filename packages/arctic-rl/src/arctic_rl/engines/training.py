@@ -117,12 +117,17 @@ class TrainingEngine(DeepSpeedModelEngine):
             ds_config["gradient_clipping"] = training.max_grad_norm
         if self.zero_stage > 0:
             ds_config["zero_allow_untested_optimizer"] = True
+        if training.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # On CUDA the fused kernel: one pass over the (ZeRO-flattened) fp32 state instead of a dozen elementwise
+        # kernels, the same update up to rounding.
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=training.lr,
             betas=training.betas,
             eps=training.eps,
             weight_decay=training.weight_decay,
+            fused=self.device.type == "cuda",
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, training=training))
         if self._clips_itself():
