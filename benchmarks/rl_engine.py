@@ -138,6 +138,34 @@ def flop_bound(model_dir: Path, args: argparse.Namespace) -> tuple[float, float,
     return cost.flop_bound, cost.flops_base, cost.flops_dedup
 
 
+def plot(results: Path, png: Path) -> None:
+    """Stacked bars of the step's time split (forward+backward, optimizer step), ZoRRO off vs on."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(results.read_text())
+    rows = [row for row in data["rows"] if "seconds" in row]
+    labels = ["ZoRRO on" if row["zorro"] else "ZoRRO off" for row in rows]
+    fwd_bwd = [row["fwd_bwd_seconds"] for row in rows]
+    optimizer = [row["optimizer_seconds"] for row in rows]
+    figure, axis = plt.subplots(figsize=(6, 3.6))
+    axis.barh(labels, fwd_bwd, label="fwd_bwd (micro-batches, loss, backward)")
+    axis.barh(labels, optimizer, left=fwd_bwd, label="step (ZeRO-2, clip, AdamW)")
+    summary = data["summary"]
+    axis.set_xlabel("seconds per RL step")
+    axis.set_title(
+        f"{summary['model']}, P={summary['prompt']} G={summary['group']} R={summary['response']}\n"
+        f"speedup {summary.get('engine_speedup', float('nan')):.2f}x of a {summary['flop_bound']:.2f}x FLOP bound "
+        f"(efficiency {summary.get('engine_zorro_efficiency', float('nan')):.3f})",
+        fontsize=9,
+    )
+    axis.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
@@ -154,11 +182,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plot-from", type=Path, default=None, help="only draw the PNG from a results JSON")
     parser.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "ZORRO"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke and not args.child:
         args.layers, args.prompt, args.response, args.group = 2, 64, 8, 4
         args.micro_batch_tokens, args.warmup, args.repeats = 128, 1, 2
+    if args.plot_from is not None:
+        plot(args.plot_from, args.plot_from.with_suffix(".png"))
+        return
     if args.child:
         print(json.dumps(time_variant(args.child[0], args.child[1] == "on", args)), flush=True)
         return
@@ -218,7 +250,9 @@ def main() -> None:
     print_table(rows, columns)
     print(json.dumps(summary, indent=1))
     if not args.smoke or args.out is not None:
-        write_results(out_dir, NAME, summary, rows)
+        path = write_results(out_dir, NAME, summary, rows)
+        if "engine_speedup" in summary:
+            plot(path, path.with_suffix(".png"))
     if "engine_speedup" not in summary:
         sys.exit(1)
 
