@@ -109,6 +109,34 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_dir: str
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_logits_mode_gives_the_same_zero_step(model_dir: str, stage: int) -> None:
+    """'memory' recomputes the LM head in the backward; under ZeRO every gradient must still be reduced once."""
+    batch = make_batch(seed=7)
+    initial = _initial_weights(model_dir)
+    outcomes = {}
+    for mode in ("none", "compute", "memory"):
+        engine = TrainingEngine(
+            make_config(
+                model_dir,
+                training={"zero_stage": stage, **GRADIENT_PROPORTIONAL_ADAM},
+                zorro_train={"logits_mode": mode},
+            )
+        )
+        reply, stepped = _train(engine, batch)
+        outcomes[mode] = (reply["loss"], stepped["grad_norm"], full_parameters(engine))
+    loss, grad_norm, weights = outcomes["none"]
+    for mode in ("compute", "memory"):
+        assert math.isclose(outcomes[mode][0], loss, rel_tol=TOLERANCE), mode
+        assert math.isclose(outcomes[mode][1], grad_norm, rel_tol=TOLERANCE), mode
+        errors = {
+            name: relative_l2(outcomes[mode][2][name] - initial[name], weights[name] - initial[name])
+            for name in weights
+        }
+        assert max(errors.values()) <= TOLERANCE, (mode, errors)
+
+
+@pytest.mark.slow
 def test_micro_batch_split_does_not_change_the_step(model_dir: str) -> None:
     """One micro-batch, a small token budget, a fixed accumulation count, and a step fed by two fwd_bwd calls all
     give the gradient of the same global loss."""

@@ -20,8 +20,14 @@ def _head_and_inputs(
     return head, states, labels
 
 
-def _run(mode: str, chunk_size: int, temperature: float, fp32_logits: bool = False) -> dict[str, torch.Tensor]:
+def _run(
+    mode: str, chunk_size: int, temperature: float, fp32_logits: bool = False, hook_counts: list[int] | None = None
+) -> dict[str, torch.Tensor]:
     head, states, labels = _head_and_inputs()
+    if hook_counts is not None:
+        # As DeepSpeed ZeRO-1/2 do: reduce each gradient when it is accumulated, which must happen once per backward.
+        for parameter in head.parameters():
+            parameter.register_post_accumulate_grad_hook(lambda _parameter: hook_counts.append(1))
     out = token_logprobs(
         states,
         labels,
@@ -60,8 +66,18 @@ def test_memory_mode_for_zero3_sharded_heads_agrees(monkeypatch: pytest.MonkeyPa
     import arctic_zorro_train.logprobs as logprobs_module
 
     expected = _run("none", 1024, 0.8)
-    monkeypatch.setattr(logprobs_module, "_is_zero3_sharded", lambda module: True)
+    monkeypatch.setattr(logprobs_module, "_needs_one_accumulation", lambda module: True)
     actual = _run("memory", chunk_size, 0.8)
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 1024])
+def test_memory_mode_accumulates_hooked_head_gradients_once(chunk_size: int) -> None:
+    expected = _run("none", 1024, 0.8)
+    hook_counts: list[int] = []
+    actual = _run("memory", chunk_size, 0.8, hook_counts=hook_counts)
+    assert len(hook_counts) == 2  # weight and bias, once each
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -8,8 +8,9 @@ Three logits modes (``M`` response tokens, vocabulary ``V``):
 * ``"memory"``: never an ``[M, V]`` tensor. Chunks of tokens go through the LM head with no graph; the backward
   recomputes each chunk's logits and applies the closed-form gradients of log-softmax and entropy. When the LM
   head's weight is sharded by DeepSpeed ZeRO-3 (it is only materialized inside the head's own forward and its
-  autograd backward), each chunk is instead wrapped in non-reentrant activation checkpointing, which recomputes
-  it inside the main backward pass where ZeRO-3 gathers the weight again.
+  autograd backward) or its gradients are reduced by a post-accumulate hook (ZeRO-1/2), each chunk is instead
+  wrapped in non-reentrant activation checkpointing, which recomputes it inside the main backward pass (where ZeRO-3
+  gathers the weight again, and every gradient is accumulated once).
 """
 
 from __future__ import annotations
@@ -174,8 +175,15 @@ def _checkpointed_chunks(
     return logprobs, torch.cat([piece[1] for piece in pieces]) if with_entropy else None
 
 
-def _is_zero3_sharded(module: nn.Module) -> bool:
-    return any(hasattr(parameter, "ds_id") for parameter in module.parameters())
+def _needs_one_accumulation(module: nn.Module) -> bool:
+    """The head's gradients must arrive through the main backward, once: its weight is sharded by DeepSpeed ZeRO-3
+    (materialized only inside the head's own forward and backward), or a parameter has a post-accumulate-grad hook
+    (DeepSpeed ZeRO-1/2 reduce each gradient the first time it is accumulated; a nested backward per chunk would
+    accumulate it once per chunk)."""
+    return any(
+        hasattr(parameter, "ds_id") or bool(getattr(parameter, "_post_accumulate_grad_hooks", None))
+        for parameter in module.parameters()
+    )
 
 
 def token_logprobs(
@@ -207,7 +215,7 @@ def token_logprobs(
         # No response tokens at all: keep the graph connected so backward() still works.
         empty = hidden.sum(dim=-1).to(_softmax_dtype(hidden.dtype))
         return TokenLogprobs(logprobs=empty, entropy=empty.clone() if calculate_entropy else None, logits=None)
-    if mode == "memory" and _is_zero3_sharded(lm_head):
+    if mode == "memory" and _needs_one_accumulation(lm_head):
         logprobs, entropy = _checkpointed_chunks(hidden, labels, head, temperature, chunk_size, calculate_entropy)
         return TokenLogprobs(logprobs=logprobs, entropy=entropy, logits=None)
     if mode == "memory":
