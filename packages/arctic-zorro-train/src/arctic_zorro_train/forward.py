@@ -14,7 +14,7 @@ from arctic_zorro_train.errors import ZorroPatchError
 from arctic_zorro_train.fused import use_fused_kernels
 from arctic_zorro_train.logprobs import LogitsMode, token_logprobs
 from arctic_zorro_train.moe import collect_router_logits, router_statistics
-from arctic_zorro_train.patching import get_patch
+from arctic_zorro_train.patch_record import get_patch
 from arctic_zorro_train.plans import plan_batch, responses_to_padded
 
 __all__ = ["ZorroOutput", "zorro_forward", "zorro_model_forward"]

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from arctic_dedup.attention._no_lse_grad import NoLseGradientFunction
+from arctic_dedup.lse import merge_attention_states
 
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
@@ -372,12 +374,8 @@ def _run_backward(
 def _merge_eager(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial attentions over disjoint keys -> the attention over both: ``[rows, H, D]`` outputs weighted by
-    ``exp(lse_part - lse_total)`` in fp32, and ``lse_total`` ``[rows, H]`` fp32."""
-    lse_a, lse_b = lse_a.float(), lse_b.float()
-    total = torch.logaddexp(lse_a, lse_b)
-    merged = out_a.float() * torch.exp(lse_a - total).unsqueeze(-1)
-    merged = merged + out_b.float() * torch.exp(lse_b - total).unsqueeze(-1)
+    """``merge_attention_states``, its output rounded to ``out_a``'s dtype (fp32 targets stay fp32)."""
+    merged, total = merge_attention_states(out_a, lse_a, out_b, lse_b)
     return merged.to(out_a.dtype), total
 
 
@@ -405,7 +403,9 @@ def _merge(
         return _merge_eager(out_a, lse_a, out_b, lse_b)
 
 
-class _SdpaTreeAttention(torch.autograd.Function):
+class _SdpaTreeAttention(NoLseGradientFunction):
+    BACKEND = "sdpa"
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -445,17 +445,7 @@ class _SdpaTreeAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        if grad_lse is not None and bool(grad_lse.ne(0).any()):
-            raise NotImplementedError(
-                "backend='sdpa' does not propagate gradients through the returned lse; use 'triton', 'flex' or "
-                "'reference' when the loss depends on the lse."
-            )
-        if grad_out is None:
-            return None, None, None, None, None, None
+    def output_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         with _deterministic_algorithms(ctx.deterministic):
             return _SdpaTreeAttention._backward(ctx, grad_out)
 
