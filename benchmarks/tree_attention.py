@@ -55,7 +55,7 @@ from arctic_dedup.attention._tables import build_kernel_tables
 from arctic_dedup.attention.function import triton_tree_attention
 from arctic_dedup.attention.metadata import TreeAttentionMetadata, prepare_tree_attention
 from arctic_dedup.attention.sdpa_calls import build_sdpa_calls
-from arctic_dedup.layout import SampleLayout
+from arctic_dedup.plan.layout import SampleLayout
 
 NAME = "tree_attention"
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128

@@ -14,7 +14,7 @@ import torch
 
 from arctic_dedup import Plan
 from arctic_dedup.attention import TreeAttentionBackend, TreeAttentionMetadata, auto_backends, prepare_tree_attention
-from arctic_dedup.index_map import IndexMap
+from arctic_dedup.plan.index_map import IndexMap
 from arctic_zorro_train.gated_delta import GatedDeltaSchedule, build_gated_delta_schedule
 
 __all__ = [
