@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth_gbps, cuda_time_ms, default_out_dir, fill_bandwidth_gbps, print_table, write_results
 
 from arctic_dedup import build_plan_from_layout, pack, unpack
-from arctic_dedup.layout import SampleLayout
 from arctic_dedup.packing._launch import launch_gather_rows, launch_scatter_copies, launch_segment_sum_rows
+from arctic_dedup.plan.layout import SampleLayout
 
 
 def _layout(prompt: int, responses: list[int], device: str) -> SampleLayout:

@@ -53,8 +53,9 @@ from arctic_dedup.attention._launch import (
 )
 from arctic_dedup.attention._tables import build_kernel_tables
 from arctic_dedup.attention.function import triton_tree_attention
-from arctic_dedup.attention.sdpa import build_sdpa_calls
-from arctic_dedup.layout import SampleLayout
+from arctic_dedup.attention.metadata import TreeAttentionMetadata, prepare_tree_attention
+from arctic_dedup.attention.sdpa_calls import build_sdpa_calls
+from arctic_dedup.plan.layout import SampleLayout
 
 NAME = "tree_attention"
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
@@ -223,12 +224,21 @@ class Configs:
     atomic: TritonConfig
 
 
+def _prepare(plan: Plan, backend: Any, config: TritonConfig | None = None) -> TreeAttentionMetadata:
+    return prepare_tree_attention(
+        plan, backends=(backend,), head_dim=HEAD_DIM, dtype=torch.bfloat16, triton_config=config
+    )
+
+
 def _backends(configs: Configs) -> dict[str, Callable[..., Any]]:
     def run(backend: str, **extra: Any) -> Callable[..., Any]:
         def call(plan: Plan) -> Callable[..., Any]:
+            # Prepared once per plan, as a model does before its layers.
             if backend.startswith("triton"):
-                return lambda q, k, v: triton_tree_attention(q, k, v, plan, scale=HEAD_DIM**-0.5, **extra)
-            return lambda q, k, v: tree_attention(q, k, v, plan, backend=backend, return_lse=True)  # type: ignore[call-overload]
+                prepared = _prepare(plan, "triton", extra.get("config"))
+                return lambda q, k, v: triton_tree_attention(q, k, v, prepared, scale=HEAD_DIM**-0.5, **extra)
+            metadata = _prepare(plan, backend) if backend in ("flex", "sdpa") else None
+            return lambda q, k, v: tree_attention(q, k, v, plan, backend=backend, return_lse=True, metadata=metadata)  # type: ignore[call-overload]
 
         return call
 
@@ -325,8 +335,11 @@ ATOMIC_SWEEP = [(32, 128, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2)
 
 def _time_forward(plan: Plan, tensors: tuple[torch.Tensor, ...], config: TritonConfig) -> float:
     q, k, v = tensors
+    prepared = _prepare(plan, "triton", config)
     return cuda_time_ms(
-        lambda: launch_forward(q, k, v, plan, scale=HEAD_DIM**-0.5, sliding_window=None, softcap=None, config=config),
+        lambda: launch_forward(
+            q, k, v, prepared, scale=HEAD_DIM**-0.5, sliding_window=None, softcap=None, config=config
+        ),
         warmup=3,
         repeats=10,
     )
@@ -335,11 +348,12 @@ def _time_forward(plan: Plan, tensors: tuple[torch.Tensor, ...], config: TritonC
 def _time_backward(plan: Plan, tensors: tuple[torch.Tensor, ...], config: TritonConfig, deterministic: bool) -> float:
     q, k, v = tensors
     scale = HEAD_DIM**-0.5
-    out, lse = launch_forward(q, k, v, plan, scale=scale, sliding_window=None, softcap=None, config=config)
+    prepared = _prepare(plan, "triton", config)
+    out, lse = launch_forward(q, k, v, prepared, scale=scale, sliding_window=None, softcap=None, config=config)
     grad = torch.randn_like(out)
     return cuda_time_ms(
         lambda: launch_backward(
-            grad, q, k, v, out, lse, None, plan, scale=scale, sliding_window=None, softcap=None, config=config,
+            grad, q, k, v, out, lse, None, prepared, scale=scale, sliding_window=None, softcap=None, config=config,
             deterministic=deterministic,
         ),
         warmup=3,
@@ -498,7 +512,7 @@ def _metadata_times(layout: SampleLayout, plan: Plan, config: TritonConfig) -> d
             build_kernel_tables(plan.kv_visible_until, plan.position_ids, block_m, block_n)
 
     def sdpa_trees() -> None:
-        # The sdpa backend's metadata: the host list of (prompt, responses) rows, uncached.
+        # The sdpa backend's metadata: the host list of (prompt, responses) rows.
         build_sdpa_calls(plan)
 
     return {

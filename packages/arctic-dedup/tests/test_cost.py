@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from arctic_dedup import ModelShape, build_plan_from_layout, dedup_cost, dedup_cost_of_plan
-from arctic_dedup.layout import SampleLayout
+from arctic_dedup.plan.layout import SampleLayout
 
 
 def test_performance_doc_example() -> None:

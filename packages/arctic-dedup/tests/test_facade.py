@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from strategies import PaddedBatch, padded_batches
 
 from arctic_dedup import BatchLayoutError, ZoRRoTrain, analyze_normal_batch_via_attention_mask
-from arctic_dedup.reference import reference_group_rows
+from arctic_dedup.plan.reference import reference_group_rows
 from arctic_dedup.testing import create_dummy_batch
 
 

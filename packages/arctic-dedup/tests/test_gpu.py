@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from arctic_dedup import ZoRRoTrain, build_plan, pack, unpack
-from arctic_dedup.attention_meta import dense_tree_mask
+from arctic_dedup.plan.attention_meta import dense_tree_mask
 from arctic_dedup.testing import create_dummy_batch
 
 pytestmark = [

@@ -2,9 +2,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arctic_dedup import grouping as grouping_module
-from arctic_dedup.grouping import group_rows
-from arctic_dedup.reference import reference_group_rows
+from arctic_dedup.plan import grouping as grouping_module
+from arctic_dedup.plan.grouping import group_rows
+from arctic_dedup.plan.reference import reference_group_rows
 
 
 @st.composite

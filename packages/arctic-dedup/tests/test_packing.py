@@ -5,9 +5,9 @@ from hypothesis import strategies as st
 from strategies import PaddedBatch, padded_batches
 
 from arctic_dedup import PlanError, build_plan, pack, unpack
-from arctic_dedup.index_map import IndexMap
 from arctic_dedup.packing import _launch, gather_rows, segment_sum_rows
-from arctic_dedup.reference import reference_gather_rows, reference_segment_sum_rows
+from arctic_dedup.packing.reference import reference_gather_rows, reference_segment_sum_rows
+from arctic_dedup.plan.index_map import IndexMap
 
 BACKENDS = ["triton", "torch"]
 

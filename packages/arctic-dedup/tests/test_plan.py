@@ -16,9 +16,9 @@ from arctic_dedup import (
     prompt_groups,
     unpack,
 )
-from arctic_dedup.attention_meta import dense_tree_mask
 from arctic_dedup.plan import Plan
-from arctic_dedup.reference import reference_tree_mask
+from arctic_dedup.plan.attention_meta import dense_tree_mask
+from arctic_dedup.plan.reference import reference_tree_mask
 
 
 def _sample_paths(plan: Plan) -> list[list[int]]:

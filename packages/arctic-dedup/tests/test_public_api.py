@@ -35,14 +35,14 @@ EXPECTED_EXPORTS = {
 # Names that left the top level in issue #27, with the module a user imports them from now.
 EXPERT_NAMES = {
     "arctic_dedup.attention": ["TreeAttentionBackend", "choose_backend"],
-    "arctic_dedup.attention_meta": ["VarlenParams", "dense_tree_mask"],
+    "arctic_dedup.plan.attention_meta": ["VarlenParams", "dense_tree_mask"],
     "arctic_dedup.balance": ["GroupSplitWarning", "MicroBatch", "PromptGroup", "format_micro_batch_report",
                              "partition_items"],
     "arctic_dedup.cost": ["DedupCost"],
     "arctic_dedup.facade": ["BatchStats", "ReconstructionInfo"],
     "arctic_dedup.forest": ["ForestGrouping", "ForestKernelConfig", "ForestPlan", "ForestWorkspace", "plan_paged"],
-    "arctic_dedup.grouping": ["RowGroups", "group_rows"],
-    "arctic_dedup.index_map": ["IndexMap"],
+    "arctic_dedup.plan.grouping": ["RowGroups", "group_rows"],
+    "arctic_dedup.plan.index_map": ["IndexMap"],
     "arctic_dedup.packing": ["gather_rows", "segment_sum_rows"],
     "arctic_dedup.plan": ["PrefixTree", "ResponseIndex"],
 }  # fmt: skip

@@ -10,7 +10,7 @@ pytest.importorskip("arctic_dedup")
 from engine_cases import make_batch
 
 from arctic_dedup.balance import prompt_groups
-from arctic_dedup.layout import SampleLayout
+from arctic_dedup.plan.layout import SampleLayout
 from arctic_rl.engines.policy_forward import plan_engine_micro_batches
 
 

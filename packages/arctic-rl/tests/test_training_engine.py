@@ -290,7 +290,7 @@ def test_log_prob_engine_follows_the_trainer(model_dir: str) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_step_like_one_rank_on_the_same_global_batch(model_dir: str, stage: int, tmp_path: Path) -> None:
     from arctic_dedup.balance import partition_for_data_parallel, prompt_groups
-    from arctic_dedup.layout import SampleLayout
+    from arctic_dedup.plan.layout import SampleLayout
 
     batch = make_batch(10, 4, seed=14)
     layout = SampleLayout.from_padded(
@@ -305,7 +305,7 @@ def test_zero3_ranks_with_different_micro_batch_counts_step_like_one_rank(model_
     """Rank 0 holds three prompt groups, rank 1 one; a budget of one group per micro-batch gives them 3 and 1
     micro-batches. ZeRO-3 gathers parameters collectively in every pass: rank 1 must pad, or both hang."""
     from arctic_dedup.balance import prompt_groups
-    from arctic_dedup.layout import SampleLayout
+    from arctic_dedup.plan.layout import SampleLayout
 
     batch = make_batch(10, 4, seed=14)
     layout = SampleLayout.from_padded(

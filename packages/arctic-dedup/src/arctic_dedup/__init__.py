@@ -2,7 +2,7 @@
 
 The names below are what a user needs; the types and tuning knobs behind them stay importable from their modules
 (``arctic_dedup.plan``, ``arctic_dedup.packing``, ``arctic_dedup.attention``, ``arctic_dedup.forest``,
-``arctic_dedup.balance``, ``arctic_dedup.cost``, ``arctic_dedup.layout``).
+``arctic_dedup.balance``, ``arctic_dedup.cost``, ``arctic_dedup.plan.layout``).
 """
 
 from arctic_dedup.attention import tree_attention, tree_attention_reference
@@ -11,9 +11,9 @@ from arctic_dedup.cost import ModelShape, dedup_cost, dedup_cost_of_plan
 from arctic_dedup.errors import BatchLayoutError, PlanError
 from arctic_dedup.facade import ZoRRoTrain, analyze_normal_batch_via_attention_mask
 from arctic_dedup.forest import forest_decode, paged_decode, plan_forest
-from arctic_dedup.layout import SampleLayout
 from arctic_dedup.packing import pack, unpack
 from arctic_dedup.plan import Plan, build_plan, build_plan_from_layout
+from arctic_dedup.plan.layout import SampleLayout
 
 __version__ = "0.1.0"
 

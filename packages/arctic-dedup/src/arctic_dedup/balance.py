@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from arctic_dedup.grouping import RowGroups, group_rows
-from arctic_dedup.layout import SampleLayout
+from arctic_dedup.plan.grouping import RowGroups, group_rows
+from arctic_dedup.plan.layout import SampleLayout
 
 __all__ = [
     "GroupSplitWarning",

@@ -19,10 +19,10 @@ import torch
 
 from arctic_dedup._triton_support import Backend
 from arctic_dedup.errors import BatchLayoutError
-from arctic_dedup.grouping import group_rows
-from arctic_dedup.index_map import IndexMap
-from arctic_dedup.layout import SampleLayout
 from arctic_dedup.packing.rows import gather_rows
+from arctic_dedup.plan.grouping import group_rows
+from arctic_dedup.plan.index_map import IndexMap
+from arctic_dedup.plan.layout import SampleLayout
 
 __all__ = ["BatchStats", "ReconstructionInfo", "ZoRRoTrain", "analyze_normal_batch_via_attention_mask"]
 

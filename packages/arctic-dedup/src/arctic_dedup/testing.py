@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from arctic_dedup.errors import BatchLayoutError
-from arctic_dedup.layout import default_position_ids
+from arctic_dedup.plan.layout import default_position_ids
 
 __all__ = ["create_dummy_batch", "samples_per_prompt"]
 

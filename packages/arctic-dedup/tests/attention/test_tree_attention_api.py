@@ -8,7 +8,13 @@ from tree_attention_cases import CPU_CASES, deep_trie_plan, make_inputs
 
 import arctic_dedup.attention as attention
 from arctic_dedup import PlanError
-from arctic_dedup.attention import MAX_REFERENCE_SCORES, TreeAttentionBackend, choose_backend, tree_attention
+from arctic_dedup.attention import (
+    MAX_REFERENCE_SCORES,
+    TreeAttentionBackend,
+    choose_backend,
+    prepare_tree_attention,
+    tree_attention,
+)
 
 EXPORTED = [
     "BACKENDS",
@@ -17,7 +23,10 @@ EXPORTED = [
     "SUPPORTED_HEAD_DIMS",
     "ConcreteBackend",
     "TreeAttentionBackend",
+    "TreeAttentionMetadata",
+    "auto_backends",
     "choose_backend",
+    "prepare_tree_attention",
     "reference_mask",
     "tree_attention",
     "tree_attention_reference",
@@ -123,3 +132,30 @@ def test_branch_isolation_is_bit_exact(backend: TreeAttentionBackend) -> None:
         out = tree_attention(changed[0], changed[1], changed[2], plan, backend=backend)
         assert torch.equal(out[inside], base[inside])
         assert not torch.equal(out[outside], base[outside])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_prepared_metadata_gives_the_same_result_as_a_call_without(backend: TreeAttentionBackend) -> None:
+    """A model prepares once and passes the metadata to every layer; a lone call prepares its own: same numbers."""
+    plan = CPU_CASES[3].build()
+    q, k, v = make_inputs(plan, 4, 2, 16, requires_grad=True)
+    metadata = prepare_tree_attention(plan, backends=(backend,), head_dim=16, dtype=q.dtype)
+    results = []
+    for prepared in (metadata, None):
+        out, lse = tree_attention(q, k, v, plan, backend=backend, return_lse=True, metadata=prepared)
+        results.append((out, lse, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_metadata_must_match_the_plan_and_the_backend() -> None:
+    plan, other = CPU_CASES[3].build(), CPU_CASES[2].build()
+    q, k, v = make_inputs(plan, 4, 2, 16)
+    metadata = prepare_tree_attention(plan, backends=("sdpa",), head_dim=16, dtype=q.dtype)
+    with pytest.raises(PlanError, match="another plan"):
+        tree_attention(q, k, v, plan, backend="sdpa", metadata=prepare_tree_attention(
+            other, backends=("sdpa",), head_dim=16, dtype=q.dtype
+        ))  # fmt: skip
+    with pytest.raises(PlanError, match=r"backend='triton' but the metadata was prepared for \['sdpa'\]"):
+        tree_attention(q, k, v, plan, backend="triton", metadata=metadata)
+    # reference and varlen read only the plan: any metadata of the plan is accepted.
+    tree_attention(q, k, v, plan, backend="reference", metadata=metadata)

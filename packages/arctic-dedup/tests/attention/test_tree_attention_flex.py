@@ -8,6 +8,7 @@ from tree_attention_cases import CPU_CASES, Case, make_inputs, prompt_groups_pla
 
 from arctic_dedup.attention import tree_attention
 from arctic_dedup.attention.flex import flex_padded_length, flex_tree_attention
+from arctic_dedup.attention.metadata import prepare_tree_attention
 
 OPTIONS = [{}, {"sliding_window": 5}, {"softcap": 3.0, "scale": 0.5}]
 
@@ -52,6 +53,7 @@ def test_compiled_flex_never_treats_padding_as_visible() -> None:
     assert plan.num_packed_tokens == 129
     q, k, v = make_inputs(plan, 2, 1, 16, seed=3)
     # Large keys make any leaked padded (zero) key visible in the output.
-    out, _ = flex_tree_attention(q, k * 4, v, plan, scale=0.25, return_lse=False, compile=True)
+    metadata = prepare_tree_attention(plan, backends=("flex",), head_dim=16, dtype=q.dtype)
+    out, _ = flex_tree_attention(q, k * 4, v, metadata, scale=0.25, return_lse=False, compile=True)
     ref = tree_attention(q, k * 4, v, plan, backend="reference", scale=0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -124,10 +124,13 @@ def test_gpu_triton_deterministic_and_atomic_dq() -> None:
     config = _launch.TritonConfig(atomic_dq=True)
     q, k, v, grad = _inputs(plan, 16, 4, 128, torch.bfloat16, 1)
     from arctic_dedup.attention.function import triton_tree_attention
+    from arctic_dedup.attention.metadata import prepare_tree_attention
 
-    atomic = _run(lambda a, b, c: triton_tree_attention(a, b, c, plan, scale=0.1, config=config), q, k, v, grad)
+    prepared = prepare_tree_attention(plan, backends=("triton",), head_dim=128, dtype=q.dtype, triton_config=config)
+    atomic = _run(lambda a, b, c: triton_tree_attention(a, b, c, prepared, scale=0.1, config=config), q, k, v, grad)
+    default = prepare_tree_attention(plan, backends=("triton",), head_dim=128, dtype=q.dtype)
     fixed = [
-        _run(lambda a, b, c: triton_tree_attention(a, b, c, plan, scale=0.1, deterministic=True), q, k, v, grad)
+        _run(lambda a, b, c: triton_tree_attention(a, b, c, default, scale=0.1, deterministic=True), q, k, v, grad)
         for _ in range(2)
     ]
     assert all(torch.equal(x, y) for x, y in zip(*fixed)), "deterministic backward is not bitwise repeatable"

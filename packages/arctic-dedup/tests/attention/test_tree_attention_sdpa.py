@@ -128,10 +128,10 @@ def test_sdpa_ragged_varlen_path_matches_reference(name: str, monkeypatch: pytes
     the varlen kernels. The real kernels run in the GPU tests."""
     from test_tree_attention_varlen import DenseVarlenKernels
 
-    from arctic_dedup.attention import sdpa
+    from arctic_dedup.attention import sdpa, sdpa_calls
 
-    monkeypatch.setattr(sdpa, "_ragged_runs_use_varlen", lambda device: True)
-    monkeypatch.setattr(sdpa, "_varlen_kernels", lambda: DenseVarlenKernels)
+    monkeypatch.setattr(sdpa_calls, "_ragged_runs_use_varlen", lambda device: True)
+    monkeypatch.setattr(sdpa, "_TorchFlash", DenseVarlenKernels)
     for heads in ((4, 4), (8, 2)):
         _check_against_reference(PLANS[name](), *heads, 16, seed=5)
     _check_against_reference(deep_trie_plan("cpu"), 4, 2, 16, seed=6)

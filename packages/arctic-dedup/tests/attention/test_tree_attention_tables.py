@@ -10,7 +10,10 @@ from hypothesis import strategies as st
 from tree_attention_cases import CPU_CASES, random_tree_plan
 
 from arctic_dedup.attention import reference_mask
-from arctic_dedup.attention._tables import build_kernel_tables, kernel_tables
+from arctic_dedup.attention._tables import build_kernel_tables
+from arctic_dedup.attention.metadata import FLEX_BLOCK_SIZE, prepare_tree_attention
+from arctic_dedup.attention.triton_config import TritonConfig
+from arctic_dedup.errors import PlanError
 
 
 def _check(plan, block_m: int, block_n: int, window: int | None) -> None:  # type: ignore[no-untyped-def]
@@ -63,7 +66,25 @@ def test_tables_on_random_trees(seed: int, window: int | None, blocks: int) -> N
     _check(random_tree_plan(seed), blocks, 16, window)
 
 
-def test_tables_are_cached_per_plan() -> None:
+def test_metadata_holds_every_prepared_table_and_names_what_is_missing() -> None:
     plan = CPU_CASES[3].build()
-    assert kernel_tables(plan, 16, 16) is kernel_tables(plan, 16, 16)
-    assert kernel_tables(plan, 16, 16) is not kernel_tables(plan, 16, 16, sliding_window=4)
+    config = TritonConfig(block_m=16, block_n=32, bwd_block_m=16, bwd_block_n=16, dq_block_m=32, dq_block_n=16)
+    metadata = prepare_tree_attention(
+        plan, backends=("triton", "flex"), head_dim=16, dtype=torch.float32, sliding_windows=(None, 4),
+        triton_config=config,
+    )  # fmt: skip
+    tile_sizes = {(16, 32), (16, 16), (32, 16), (FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE)}
+    assert set(metadata.block_tables) == {(m, n, w) for m, n in tile_sizes for w in (None, 4)}
+    for (block_m, block_n, window), tables in metadata.block_tables.items():
+        expected = build_kernel_tables(plan.kv_visible_until, plan.position_ids, block_m, block_n, window)
+        assert torch.equal(tables.kv_full_indices, expected.kv_full_indices)
+        assert torch.equal(tables.kv_part_num, expected.kv_part_num)
+    assert metadata.tables(16, 16, 4) is metadata.block_tables[(16, 16, 4)]
+    with pytest.raises(PlanError, match=r"not \(16, 16, 7\).*sliding_windows"):
+        metadata.tables(16, 16, 7)
+    with pytest.raises(PlanError, match="not 'sdpa'"):
+        metadata.calls()
+    with pytest.raises(TypeError):
+        metadata.block_tables[(1, 1, None)] = metadata.tables(16, 16, None)  # type: ignore[index]
+    with pytest.raises(ValueError, match="concrete backends"):
+        prepare_tree_attention(plan, backends=("auto",), head_dim=16, dtype=torch.float32)  # type: ignore[arg-type]

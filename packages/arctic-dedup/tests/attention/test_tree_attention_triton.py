@@ -14,6 +14,7 @@ from arctic_dedup._triton_support import interpreting, triton_available
 from arctic_dedup.attention import _launch, tree_attention
 from arctic_dedup.attention._launch import TritonConfig
 from arctic_dedup.attention.function import triton_tree_attention
+from arctic_dedup.attention.metadata import prepare_tree_attention
 
 pytestmark = pytest.mark.skipif(
     not (triton_available() and (interpreting() or torch.cuda.is_available())),
@@ -43,7 +44,17 @@ def _compare(
 ) -> None:
     q, k, v = make_inputs(plan, num_q_heads, num_kv_heads, head_dim, seed=seed, requires_grad=True)
     scale = options.pop("scale", head_dim**-0.5)
-    out, lse = triton_tree_attention(q, k, v, plan, scale=scale, deterministic=deterministic, config=config, **options)
+    metadata = prepare_tree_attention(
+        plan,
+        backends=("triton",),
+        head_dim=head_dim,
+        dtype=q.dtype,
+        sliding_windows=(options.get("sliding_window"),),
+        triton_config=config,
+    )
+    out, lse = triton_tree_attention(
+        q, k, v, metadata, scale=scale, deterministic=deterministic, config=config, **options
+    )
     ref, ref_lse = tree_attention(q, k, v, plan, backend="reference", scale=scale, return_lse=True, **options)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
@@ -190,9 +201,10 @@ def test_triton_deterministic_ignores_atomic_variant() -> None:
     config = replace(_SMALL_TILES, **BACKWARD_VARIANTS["atomic_split"])
     plan = _ragged_plan()
     q, k, v = make_inputs(plan, 4, 2, 32, requires_grad=True)
+    metadata = prepare_tree_attention(plan, backends=("triton",), head_dim=32, dtype=q.dtype, triton_config=config)
     runs = []
     for _ in range(2):
-        out, _ = triton_tree_attention(q, k, v, plan, scale=0.2, deterministic=True, config=config)
+        out, _ = triton_tree_attention(q, k, v, metadata, scale=0.2, deterministic=True, config=config)
         runs.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 

@@ -43,7 +43,7 @@ DEFAULT_LOSS = "grpo"
 def split_for_data_parallel(batch: Mapping[str, torch.Tensor], num_ranks: int) -> list[list[int]]:
     """Each data-parallel rank's sample indices (ascending), whole prompt groups balanced by deduplicated tokens."""
     from arctic_dedup.balance import partition_for_data_parallel, prompt_groups
-    from arctic_dedup.layout import SampleLayout
+    from arctic_dedup.plan.layout import SampleLayout
 
     if num_ranks == 1:
         return [list(range(int(batch["input_ids"].shape[0])))]

@@ -90,6 +90,7 @@ def _tree_attention(
         backend=context.attention_backend,
         sliding_window=sliding_window,
         softcap=softcap,
+        metadata=context.attention,
     )
     return out  # type: ignore[no-any-return]
 

@@ -15,50 +15,55 @@ from typing import Any
 
 from torch import nn
 
-from arctic_dedup.attention import TreeAttentionBackend
-from arctic_dedup.plan import PrefixSharing
 from arctic_zorro_train.errors import MissingDependencyError
-from arctic_zorro_train.logprobs import LogitsMode
 from arctic_zorro_train.patching import ZorroPatch, apply_zorro
 from arctic_zorro_train.settings import ZorroSettings
 
 __all__ = ["ZorroTrainConfig", "install_zorro_for_deepspeed"]
 
 
-@dataclass(frozen=True)
-class ZorroTrainConfig:
-    """The ``zorro_train`` section of an engine config. ``enable`` turns the patch on; the rest maps to
-    ``ZorroSettings``."""
+_SETTINGS_OPTIONS = frozenset(option.name for option in fields(ZorroSettings))
 
-    enable: bool = False
-    use_split_attention: bool = True
-    attention_backend: TreeAttentionBackend = "auto"
-    logits_mode: LogitsMode = "none"
-    logits_chunk_size: int = 1024
-    fp32_logits: bool = False
-    sharing: PrefixSharing = "prompt"
-    response_length: int | None = None
-    temperature: float = 1.0
+
+def _settings_from(options: Mapping[str, Any]) -> ZorroSettings:
+    unknown = set(options) - _SETTINGS_OPTIONS
+    if unknown:
+        raise ValueError(
+            f"unknown zorro_train option(s) {sorted(unknown)}; known options: "
+            f"{sorted(_SETTINGS_OPTIONS | {'enable', 'settings'})}."
+        )
+    return ZorroSettings(**options)
+
+
+@dataclass(frozen=True, init=False)
+class ZorroTrainConfig:
+    """The ``zorro_train`` section of an engine config: ``enable`` turns the patch on, ``settings`` is how the
+    patched model runs.
+
+    The settings' options are also accepted as keywords, as in the engine config's mapping:
+    ``ZorroTrainConfig(enable=True, logits_mode="memory")`` equals ``ZorroTrainConfig(enable=True,
+    settings=ZorroSettings(logits_mode="memory"))``.
+    """
+
+    enable: bool
+    settings: ZorroSettings
+
+    def __init__(
+        self, enable: bool = False, settings: ZorroSettings | Mapping[str, Any] | None = None, **options: Any
+    ) -> None:
+        if settings is not None and options:
+            raise ValueError(
+                f"pass either settings=ZorroSettings(...) or its options as keywords ({sorted(options)}), not both."
+            )
+        if not isinstance(settings, ZorroSettings):
+            settings = _settings_from(options if settings is None else settings)
+        object.__setattr__(self, "enable", enable)
+        object.__setattr__(self, "settings", settings)
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> ZorroTrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(section) - known
-        if unknown:
-            raise ValueError(f"unknown zorro_train option(s) {sorted(unknown)}; known options: {sorted(known)}.")
+        """From the engine config's ``zorro_train`` mapping: ``enable`` and any ``ZorroSettings`` option."""
         return cls(**section)
-
-    def settings(self) -> ZorroSettings:
-        return ZorroSettings(
-            use_split_attention=self.use_split_attention,
-            attention_backend=self.attention_backend,
-            logits_mode=self.logits_mode,
-            logits_chunk_size=self.logits_chunk_size,
-            fp32_logits=self.fp32_logits,
-            sharing=self.sharing,
-            response_length=self.response_length,
-            temperature=self.temperature,
-        )
 
 
 def _zorro_section(config: ZorroTrainConfig | Mapping[str, Any] | None) -> ZorroTrainConfig:
@@ -107,7 +112,7 @@ def install_zorro_for_deepspeed(
     model = getattr(engine_or_model, "module", engine_or_model)
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a DeepSpeed engine or an nn.Module, got {type(engine_or_model).__name__}.")
-    patch = apply_zorro(model, settings=section.settings())
+    patch = apply_zorro(model, settings=section.settings)
     if _is_zero3_partitioned(model):
         _register_external_parameters(patch)
     return patch

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from arctic_dedup import Plan
-from arctic_zorro_train.context import CONTEXT_KWARG, build_context
+from arctic_zorro_train.context import CONTEXT_KWARG, build_context, layer_attention
 from arctic_zorro_train.errors import ZorroPatchError
 from arctic_zorro_train.fused import use_fused_kernels
 from arctic_zorro_train.logprobs import LogitsMode, token_logprobs
 from arctic_zorro_train.moe import collect_router_logits, router_statistics
-from arctic_zorro_train.patching import get_patch
+from arctic_zorro_train.patch_record import get_patch
 from arctic_zorro_train.plans import plan_batch, responses_to_padded
 
 __all__ = ["ZorroOutput", "zorro_forward", "zorro_model_forward"]
@@ -50,6 +50,15 @@ def _empty_mask(device: torch.device) -> torch.Tensor:
     return torch.ones((1, 1, 0, 0), dtype=torch.bool, device=device)
 
 
+def _compute_dtype(backbone: nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype the attention layers compute in: autocast's when it is on, else the embedding weights'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    embeddings: Any = backbone.embed_tokens
+    dtype: torch.dtype = embeddings.weight.dtype
+    return dtype
+
+
 def zorro_forward(
     model: nn.Module,
     plan: Plan,
@@ -63,9 +72,11 @@ def zorro_forward(
     settings = patch.settings
     config = patch.text_config
     conv_width = getattr(config, "linear_conv_kernel_dim", None) if patch.linear_attention_modules else None
+    grad_possible = torch.is_grad_enabled() and any(p.requires_grad for p in patch.backbone.parameters())
     context = build_context(
         plan,
         attention_backend=settings.attention_backend,
+        attention=layer_attention(config, _compute_dtype(patch.backbone, plan.device), grad_possible),
         conv_width=conv_width,
         needs_reconstruct=patch.needs_reconstruct,
     )

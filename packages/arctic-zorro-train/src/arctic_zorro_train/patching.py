@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from arctic_zorro_train.attention import AttentionConfigView, register_zorro_attention
 from arctic_zorro_train.context import CONTEXT_KWARG, ZorroContext
 from arctic_zorro_train.errors import ZorroPatchError
-from arctic_zorro_train.families import ArchitectureTable, resolve_architecture
+from arctic_zorro_train.families import resolve_architecture
+from arctic_zorro_train.forward import zorro_model_forward
 from arctic_zorro_train.fused import (
     fused_gated_norm_forward,
     fused_mlp_forward,
@@ -34,6 +34,7 @@ from arctic_zorro_train.fused import (
     use_fused_kernels,
 )
 from arctic_zorro_train.gated_delta import gated_delta_tree_forward
+from arctic_zorro_train.patch_record import PATCH_ATTRIBUTE, QwenAttentionPatcher, ZorroPatch, get_patch, is_patched
 from arctic_zorro_train.settings import ZorroSettings
 from arctic_zorro_train.versions import guard_transformers_version
 
@@ -47,7 +48,6 @@ __all__ = [
     "remove_zorro",
 ]
 
-PATCH_ATTRIBUTE = "_arctic_zorro_patch"
 # Every patched layer holds its patch too, so its forward (a method bound to the layer) finds the settings, and a
 # ``copy.deepcopy`` of the model copies patch, layers and undo records together (an RL reference model is often a
 # deep copy of the policy): no forward or undo step of the copy reaches back into the original.
@@ -87,50 +87,6 @@ def _set_attribute(target: Any, name: str, value: Any) -> _AttributeUndo:
     previous = target.__dict__.get(name, _ABSENT)
     object.__setattr__(target, name, value)
     return _AttributeUndo(target, name, previous)
-
-
-class QwenAttentionPatcher:
-    """Route one attention module (any transformers attention that calls the attention interface) to zorro attention.
-
-    ``patch()`` swaps the module's ``config`` for an ``AttentionConfigView`` (idempotent: patching a patched module
-    only updates its mode); ``unpatch()`` puts the original config back. ``attn_implementation`` is what the module
-    falls back to when called without a zorro context (default: the implementation it was loaded with).
-    """
-
-    def __init__(
-        self, attention_layer: Any, use_split_attention: bool = True, attn_implementation: str | None = None
-    ) -> None:
-        if not hasattr(attention_layer, "config"):
-            raise ZorroPatchError(
-                f"{type(attention_layer).__name__} has no `config`; QwenAttentionPatcher expects a transformers "
-                "attention module (e.g. Qwen3Attention) that dispatches through config._attn_implementation."
-            )
-        self.attention_layer = attention_layer
-        self.use_split_attention = use_split_attention
-        self.attn_implementation = attn_implementation
-
-    @property
-    def is_patched(self) -> bool:
-        return isinstance(self.attention_layer.config, AttentionConfigView)
-
-    def patch(self) -> QwenAttentionPatcher:
-        register_zorro_attention()
-        config: Any = self.attention_layer.config
-        if isinstance(config, AttentionConfigView):
-            config.zorro_use_split_attention = self.use_split_attention
-            if self.attn_implementation is not None:
-                config.zorro_fallback_implementation = self.attn_implementation
-            return self
-        fallback = self.attn_implementation or config._attn_implementation or "eager"
-        object.__setattr__(
-            self.attention_layer, "config", AttentionConfigView(config, fallback, self.use_split_attention)
-        )
-        return self
-
-    def unpatch(self) -> None:
-        config = self.attention_layer.config
-        if isinstance(config, AttentionConfigView):
-            object.__setattr__(self.attention_layer, "config", config.zorro_base_config)
 
 
 def _layer_patch(module: nn.Module) -> ZorroPatch:
@@ -190,51 +146,6 @@ def find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
             "*ForConditionalGeneration model (with `.model` and an output embedding), not a bare backbone."
         )
     return backbone, lm_head
-
-
-@dataclass
-class ZorroPatch:
-    """The record of one installed patch: what was found, the settings, and how to undo every change."""
-
-    model: nn.Module
-    architecture: ArchitectureTable
-    backbone: nn.Module
-    lm_head: nn.Module
-    settings: ZorroSettings
-    attention_patchers: list[QwenAttentionPatcher]
-    linear_attention_modules: list[nn.Module]
-    routers: list[nn.Module]
-    forward_patched: bool = False
-    undo_steps: list[Callable[[], None]] = field(default_factory=list)
-
-    @property
-    def text_config(self) -> Any:
-        return self.backbone.config
-
-    @property
-    def needs_reconstruct(self) -> bool:
-        return any(not patcher.use_split_attention for patcher in self.attention_patchers)
-
-    def remove(self) -> None:
-        for patcher in self.attention_patchers:
-            patcher.unpatch()
-        for undo in reversed(self.undo_steps):
-            undo()
-        self.undo_steps.clear()
-
-
-def get_patch(model: nn.Module) -> ZorroPatch:
-    patch = model.__dict__.get(PATCH_ATTRIBUTE)
-    if patch is None:
-        raise ZorroPatchError(
-            f"{type(model).__name__} is not patched for zorro-train; call apply_zorro(model) (or "
-            "Qwen3ModelOncePatcher(model).patch(...)) first."
-        )
-    return patch  # type: ignore[no-any-return]
-
-
-def is_patched(model: nn.Module) -> bool:
-    return PATCH_ATTRIBUTE in model.__dict__
 
 
 def apply_zorro(
@@ -321,12 +232,6 @@ def apply_zorro(
     return patch
 
 
-def _zorro_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from arctic_zorro_train.forward import zorro_model_forward
-
-    return zorro_model_forward(self, *args, **kwargs)
-
-
 @dataclass
 class _ForwardUndo:
     patch: ZorroPatch
@@ -338,7 +243,7 @@ class _ForwardUndo:
 
 
 def _patch_forward(patch: ZorroPatch) -> None:
-    undo = _set_attribute(patch.model, "forward", types.MethodType(_zorro_model_forward, patch.model))
+    undo = _set_attribute(patch.model, "forward", types.MethodType(zorro_model_forward, patch.model))
     patch.undo_steps.append(_ForwardUndo(patch, undo))
     patch.forward_patched = True
 

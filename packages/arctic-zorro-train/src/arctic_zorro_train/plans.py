@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from arctic_dedup import Plan, SampleLayout, build_plan_from_layout
+from arctic_dedup import Plan, build_plan
 from arctic_dedup.plan import PrefixSharing
 
 __all__ = ["plan_batch", "responses_to_padded"]
@@ -21,10 +21,12 @@ def plan_batch(
 ) -> Plan:
     """The plan of a padded ``[B, S]`` batch whose last ``response_length`` columns are the responses.
 
-    ``deduplicate=False`` gives the non-deduplicated packed stream (the baseline), with the same conventions.
+    ``arctic_dedup.build_plan`` with ``deduplicate=False`` mapped to ``sharing="none"``: the non-deduplicated packed
+    stream (the baseline), with the same conventions.
     """
-    layout = SampleLayout.from_padded(input_ids, response_length, attention_mask, position_ids)
-    return build_plan_from_layout(layout, sharing=sharing if deduplicate else "none")
+    return build_plan(
+        input_ids, response_length, attention_mask, position_ids, sharing=sharing if deduplicate else "none"
+    )
 
 
 def responses_to_padded(values: torch.Tensor, plan: Plan, response_width: int, fill_value: float = 0.0) -> torch.Tensor:

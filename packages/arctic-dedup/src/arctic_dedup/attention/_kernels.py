@@ -2,8 +2,9 @@
 """Triton kernels for tree attention (``@triton.jit`` code only; checks, allocation and grids live in ``_launch``).
 
 Layout: q/k/v/o/do are ``[T, H, D]`` with unit stride along D; lse and delta are ``[Hq, T]`` fp32. Block tables
-come from ``_tables.kernel_tables`` on ``kv_visible_until``, padded so that every block listed as *full* lies inside
-``[0, T)`` (its loads need no bounds mask); *partial* blocks carry the element mask, which also masks rows past ``T``.
+come from ``_tables.build_kernel_tables`` on ``kv_visible_until`` (prepared once per plan), padded so that every
+block listed as *full* lies inside ``[0, T)`` (its loads need no bounds mask); *partial* blocks carry the element
+mask, which also masks rows past ``T``.
 Scores live in the log2 domain: ``s2 = q.k * scale * log2(e)`` (after the softcap), so ``exp2`` replaces ``exp``.
 
 Backward ``FOLD`` (a launch option): the row statistics enter the matrix products as accumulator initial values,

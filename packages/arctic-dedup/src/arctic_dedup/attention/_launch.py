@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from arctic_dedup._triton_support import interpreting
-from arctic_dedup.attention._tables import KernelTables, kernel_tables
+from arctic_dedup.attention.metadata import TreeAttentionMetadata
+from arctic_dedup.attention.triton_config import TritonConfig, default_triton_config
 
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
@@ -18,81 +18,6 @@ __all__ = ["TritonConfig", "default_triton_config", "launch_backward", "launch_f
 
 # Tests set this to fill every new output with NaN, so an element a kernel forgets to write fails the comparison.
 poison_outputs = False
-
-
-@dataclass(frozen=True)
-class TritonConfig:
-    """Tile sizes and launch settings of the three kernels (forward, dK/dV, dQ); powers of two, >= 16.
-
-    ``atomic_dq``: the dK/dV kernel also adds dQ with fp32 atomics (5 matmuls per tile instead of 7 across two
-    kernels) when the call is not ``deterministic``.
-    ``fold_statistics``: the backward kernels start the score and ``dP`` products from ``-lse / scale`` and
-    ``-delta`` instead of subtracting per-query vectors afterwards (fewer registers in the dK/dV kernel, where each
-    thread holds ``bwd_block_m / 4`` values of each vector; one multiply less per score).
-    ``dp_first``: the dK/dV kernel computes both ``K Q^T`` and ``V dO^T`` before the exponentials (flash-attention 2
-    order) instead of issuing the dV product in between.
-    ``split_atomic_dq``: with ``atomic_dq``, each tile's dQ share is two ``[bwd_block_m, D/2]`` products and atomic
-    adds (half the fp32 tile live at a time; K's halves take another ``bwd_block_n * D`` elements of shared memory);
-    head dims below 32 ignore it (a product needs 16 columns).
-    """
-
-    # Defaults: the H200 measurements (bf16, d=128; benchmarks/results/tree_attention.json and
-    # tree_attention_bwd_sweep.json). Forward 128x128, 2 stages: 4.35 ms against 5.48 ms at 128x64, 3 stages.
-    # Backward: 64x128 dK/dV tiles with folded statistics; atomic dQ when not deterministic ("atomic_m64",
-    # 12.77 ms), the dK/dV + dQ kernels when deterministic ("det_m64", 13.67 ms; 14.61 ms at the old 32x128).
-    block_m: int = 128
-    block_n: int = 128
-    num_warps: int = 8
-    num_stages: int = 2
-    bwd_block_m: int = 64
-    bwd_block_n: int = 128
-    bwd_num_warps: int = 8
-    bwd_num_stages: int = 2
-    dq_block_m: int = 128
-    dq_block_n: int = 64
-    dq_num_warps: int = 8
-    dq_num_stages: int = 2
-    atomic_dq: bool = True
-    fold_statistics: bool = True
-    dp_first: bool = True
-    split_atomic_dq: bool = True
-
-    def validate(self) -> None:
-        for name in ("block_m", "block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"TritonConfig.{name} must be a power of two >= 16, got {value}.")
-
-
-# The interpreter runs each program in numpy: small tiles keep CPU tests fast and still cover several blocks.
-_INTERPRETER_CONFIG = TritonConfig(
-    block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=32, dq_block_m=32, dq_block_n=16, num_warps=1
-)
-
-
-# fp32 and d=256 keep the backward options they were compiled and checked with (none measured on a GPU there).
-_UNMEASURED_OPTIONS: dict[str, bool] = {"atomic_dq": False, "fold_statistics": False, "dp_first": False,
-                                        "split_atomic_dq": False}  # fmt: skip
-
-
-def default_triton_config(head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TritonConfig:
-    """Settings used when the caller gives none. Chosen from sm_90 compiles (registers, spills, shared memory) and
-    the benchmark's sweep (``benchmarks/tree_attention.py`` prints the best settings it measured)."""
-    if device.type != "cuda":
-        return _INTERPRETER_CONFIG
-    if dtype == torch.float32:
-        # Exact fp32 products run on the FMA units and need many registers: small tiles (a correctness path).
-        return TritonConfig(
-            block_m=32, block_n=32, num_warps=4, num_stages=1, bwd_block_m=32, bwd_block_n=32, bwd_num_warps=4,
-            bwd_num_stages=1, dq_block_m=32, dq_block_n=32, dq_num_warps=4, dq_num_stages=1, **_UNMEASURED_OPTIONS,
-        )  # fmt: skip
-    if head_dim >= 256:
-        # Register pressure: [block, 256] fp32 accumulators; these tiles compile without spills for sm_90.
-        return TritonConfig(
-            block_m=64, block_n=32, num_stages=2, bwd_block_m=16, bwd_block_n=64, dq_block_m=64, dq_block_n=32,
-            **_UNMEASURED_OPTIONS,
-        )  # fmt: skip
-    return TritonConfig()
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -130,7 +55,7 @@ def launch_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    plan: Plan,
+    metadata: TreeAttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None,
@@ -146,7 +71,8 @@ def launch_forward(
     num_kv_heads = key.shape[1]
     out = _empty(tuple(query.shape), query.dtype, query.device)
     lse = _empty((num_q_heads, num_tokens), torch.float32, query.device)
-    tables = kernel_tables(plan, config.block_m, config.block_n, sliding_window)
+    plan = metadata.plan
+    tables = metadata.tables(config.block_m, config.block_n, sliding_window)
     cap, window, use_cap, use_window = _mask_arguments(softcap, sliding_window)
     grid = (num_q_heads, tables.num_q_blocks)
     tree_attention_fwd_kernel[grid](
@@ -186,7 +112,7 @@ def launch_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     grad_lse: torch.Tensor | None,
-    plan: Plan,
+    metadata: TreeAttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None,
@@ -220,6 +146,7 @@ def launch_backward(
     cap, window, use_cap, use_window = _mask_arguments(softcap, sliding_window)
     upcast = _upcast(query.dtype)
     precision = _dot_precision(query.dtype)
+    plan = metadata.plan
     positions = _positions(plan, sliding_window)
     fold = config.fold_statistics
     statistics = _backward_statistics(lse, scale, softcap) if fold else lse
@@ -230,7 +157,7 @@ def launch_backward(
         dq_accumulator = torch.zeros(tuple(query.shape), dtype=torch.float32, device=device)
     else:
         dq_accumulator = _empty(tuple(query.shape), query.dtype, device)
-    tables: KernelTables = kernel_tables(plan, config.bwd_block_m, config.bwd_block_n, sliding_window)
+    tables = metadata.tables(config.bwd_block_m, config.bwd_block_n, sliding_window)
     tree_attention_bwd_dkdv_kernel[(num_kv_heads, tables.num_k_blocks)](
         query, key, value, grad_out, statistics, delta, dq_accumulator, dk, dv,
         tables.q_full_num, tables.q_full_indices, tables.q_part_num, tables.q_part_indices, tables.k_block_order,
@@ -247,7 +174,7 @@ def launch_backward(
     if atomic:
         return dq_accumulator.to(query.dtype), dk, dv
     dq = dq_accumulator
-    dq_tables = kernel_tables(plan, config.dq_block_m, config.dq_block_n, sliding_window)
+    dq_tables = metadata.tables(config.dq_block_m, config.dq_block_n, sliding_window)
     tree_attention_bwd_dq_kernel[(num_q_heads, dq_tables.num_q_blocks)](
         query, key, value, grad_out, statistics, delta, dq,
         dq_tables.kv_full_num, dq_tables.kv_full_indices, dq_tables.kv_part_num, dq_tables.kv_part_indices,

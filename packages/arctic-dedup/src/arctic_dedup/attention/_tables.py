@@ -4,22 +4,17 @@ fully visible blocks (no element mask) and partial ones, with a sliding window f
 The packed length is padded to a multiple of both block sizes and padded keys are visible to nobody, so a block
 listed as full never reaches past ``T`` and its loads need no bounds mask; a sliding window (logical positions)
 drops tiles that lie entirely outside it and demotes tiles it cuts to partial; a work order (heaviest blocks first)
-sets the grid. Built on the plan's device without host syncs,
-once per (plan, block sizes, window), and cached for as long as the plan lives.
+sets the grid. Built on the plan's device without host syncs, once per (plan, block sizes, window), by
+``prepare_tree_attention`` (``metadata.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
-if TYPE_CHECKING:
-    from arctic_dedup.plan import Plan
-
-__all__ = ["KernelTables", "kernel_tables"]
+__all__ = ["KernelTables", "build_kernel_tables"]
 
 
 @dataclass(frozen=True)
@@ -132,21 +127,3 @@ def build_kernel_tables(
         q_block_order=torch.argsort(q_work, descending=True, stable=True).to(torch.int32),
         k_block_order=torch.argsort(k_work, descending=True, stable=True).to(torch.int32),
     )
-
-
-_CACHE: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def kernel_tables(plan: Plan, block_m: int, block_n: int, sliding_window: int | None = None) -> KernelTables:
-    """The tables for ``plan``, built once per (block sizes, window) and kept while the plan lives."""
-    per_plan = _CACHE.get(plan.kv_visible_until)
-    if per_plan is None:
-        per_plan = {}
-        _CACHE[plan.kv_visible_until] = per_plan
-    key = (block_m, block_n, sliding_window)
-    tables = per_plan.get(key)
-    if tables is None:
-        with torch.no_grad():
-            tables = build_kernel_tables(plan.kv_visible_until, plan.position_ids, block_m, block_n, sliding_window)
-        per_plan[key] = tables
-    return tables

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal, get_args, overload
 
 import torch
 
 from arctic_dedup._triton_support import interpreting, triton_available
 from arctic_dedup.attention.auto import BACKENDS, ConcreteBackend, TreeAttentionBackend, choose_backend
+from arctic_dedup.attention.metadata import TreeAttentionMetadata, prepare_tree_attention
 from arctic_dedup.attention.reference import MAX_REFERENCE_SCORES, tree_attention_reference
 from arctic_dedup.errors import PlanError
 
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
 
-__all__ = ["SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "tree_attention"]
+__all__ = ["SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "auto_backends", "tree_attention"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Only the reference computes in float64 (for exact tests of whole models); the fused backends refuse it.
@@ -157,9 +159,17 @@ def _run_backend(
     softcap: float | None,
     return_lse: bool,
     deterministic: bool,
+    metadata: TreeAttentionMetadata | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if backend == "reference":
         return _reference_tree_by_tree(query, key, value, plan, scale, sliding_window, softcap)
+    if backend == "varlen":
+        from arctic_dedup.attention.varlen import varlen_tree_attention
+
+        return varlen_tree_attention(
+            query, key, value, plan, scale=scale, sliding_window=sliding_window, softcap=softcap
+        )
+    metadata = _metadata_for(backend, query, plan, sliding_window, metadata)
     if backend == "flex":
         from arctic_dedup.attention.flex import flex_tree_attention
 
@@ -167,7 +177,7 @@ def _run_backend(
             query,
             key,
             value,
-            plan,
+            metadata,
             scale=scale,
             sliding_window=sliding_window,
             softcap=softcap,
@@ -181,28 +191,91 @@ def _run_backend(
             query,
             key,
             value,
-            plan,
+            metadata,
             scale=scale,
             sliding_window=sliding_window,
             softcap=softcap,
             deterministic=deterministic,
         )
-    if backend == "sdpa":
-        from arctic_dedup.attention.sdpa import sdpa_tree_attention
+    from arctic_dedup.attention.sdpa import sdpa_tree_attention
 
-        return sdpa_tree_attention(
-            query,
-            key,
-            value,
-            plan,
-            scale=scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            deterministic=deterministic,
+    return sdpa_tree_attention(
+        query,
+        key,
+        value,
+        metadata,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        deterministic=deterministic,
+    )
+
+
+def _metadata_for(
+    backend: ConcreteBackend,
+    query: torch.Tensor,
+    plan: Plan,
+    sliding_window: int | None,
+    metadata: TreeAttentionMetadata | None,
+) -> TreeAttentionMetadata:
+    """The caller's metadata when it was prepared for ``backend``; without one, this call's own (dropped after)."""
+    if metadata is None:
+        return prepare_tree_attention(
+            plan, backends=(backend,), head_dim=query.shape[2], dtype=query.dtype, sliding_windows=(sliding_window,)
         )
-    from arctic_dedup.attention.varlen import varlen_tree_attention
+    if backend not in metadata.backends:
+        raise PlanError(
+            f"this call runs backend={backend!r} but the metadata was prepared for {sorted(metadata.backends)}; "
+            f"prepare it with backends including {backend!r} (for backend='auto', choose_backend gives the pick), "
+            "or pass one of the prepared backends."
+        )
+    return metadata
 
-    return varlen_tree_attention(query, key, value, plan, scale=scale, sliding_window=sliding_window, softcap=softcap)
+
+def _auto_pick(
+    query: torch.Tensor,
+    num_kv_heads: int,
+    plan: Plan,
+    sliding_window: int | None,
+    softcap: float | None,
+    needs_grad: bool,
+    lse_needs_grad: bool,
+) -> ConcreteBackend:
+    """``choose_backend`` with what the plan says about the trees."""
+    reference_scores = None if query.is_cuda else query.shape[1] * _sum_of_squared_tree_lengths(plan)
+    return choose_backend(
+        query,
+        num_kv_heads,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        needs_grad=needs_grad,
+        reference_scores=reference_scores,
+        tree_levels=plan.tree.num_levels,
+        lse_needs_grad=lse_needs_grad,
+        tokens_per_tree=plan.num_packed_tokens / max(plan.tree.num_trees, 1),
+    )
+
+
+def auto_backends(
+    plan: Plan,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    sliding_windows: Iterable[int | None] = (None,),
+    softcap: float | None = None,
+    needs_grad: Iterable[bool] = (False, True),
+) -> frozenset[ConcreteBackend]:
+    """Every backend ``backend='auto'`` picks for layer calls over ``plan`` with these head counts, head dim, input
+    dtype, windows and softcap, with and/or without a gradient (both by default: gradient checkpointing runs a
+    layer without one, then again with one): what ``prepare_tree_attention`` must prepare for a model's layers."""
+    probe = torch.empty((0, num_q_heads, head_dim), dtype=dtype, device=plan.device)
+    return frozenset(
+        _auto_pick(probe, num_kv_heads, plan, window, softcap, grad, False)
+        for window in sliding_windows
+        for grad in needs_grad
+    )
 
 
 @overload
@@ -218,6 +291,7 @@ def tree_attention(
     softcap: float | None = ...,
     return_lse: Literal[False] = ...,
     deterministic: bool = ...,
+    metadata: TreeAttentionMetadata | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -234,6 +308,7 @@ def tree_attention(
     softcap: float | None = ...,
     return_lse: Literal[True],
     deterministic: bool = ...,
+    metadata: TreeAttentionMetadata | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -250,6 +325,7 @@ def tree_attention(
     softcap: float | None = ...,
     return_lse: bool,
     deterministic: bool = ...,
+    metadata: TreeAttentionMetadata | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -265,6 +341,7 @@ def tree_attention(
     softcap: float | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    metadata: TreeAttentionMetadata | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the plan's prefix tree: every packed token attends to its ancestors' tokens and,
     causally, to its own node's tokens; never to siblings, cousins or other trees.
@@ -291,6 +368,8 @@ def tree_attention(
         deterministic: make the backward pass bitwise reproducible (``triton`` then reduces dQ without atomics;
             ``sdpa`` runs FlashAttention-2's deterministic backward instead of cuDNN's on CUDA; the reference is
             deterministic anyway; ``flex`` and ``varlen`` follow ``torch.use_deterministic_algorithms``).
+        metadata: the plan's ``prepare_tree_attention(plan, ...)``, built once and passed to every layer (block
+            tables, ``sdpa`` calls); None prepares what this one call needs and drops it afterwards.
 
     Returns:
         ``[T, Hq, D]`` in the input dtype, or ``(out, lse)`` with lse ``[T, Hq]`` float32 (float64 for float64
@@ -308,22 +387,16 @@ def tree_attention(
     more than ``MAX_REFERENCE_SCORES`` scores.
     """
     _check_inputs(query, key, value, plan, scale, sliding_window, softcap, backend)
+    if metadata is not None and metadata.plan is not plan:
+        raise PlanError(
+            "metadata was prepared for another plan; prepare it from this call's plan: "
+            "prepare_tree_attention(plan, ...)."
+        )
     resolved_scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
     chosen: ConcreteBackend
     if backend == "auto":
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        reference_scores = None if query.is_cuda else query.shape[1] * _sum_of_squared_tree_lengths(plan)
-        chosen = choose_backend(
-            query,
-            key.shape[1],
-            sliding_window=sliding_window,
-            softcap=softcap,
-            needs_grad=needs_grad,
-            reference_scores=reference_scores,
-            tree_levels=plan.tree.num_levels,
-            lse_needs_grad=needs_grad and return_lse,
-            tokens_per_tree=plan.num_packed_tokens / max(plan.tree.num_trees, 1),
-        )
+        chosen = _auto_pick(query, key.shape[1], plan, sliding_window, softcap, needs_grad, needs_grad and return_lse)
     else:
         assert backend in BACKENDS
         chosen = backend
@@ -336,7 +409,7 @@ def tree_attention(
             "backends."
         )
     out, lse = _run_backend(
-        chosen, query, key, value, plan, resolved_scale, sliding_window, softcap, return_lse, deterministic
+        chosen, query, key, value, plan, resolved_scale, sliding_window, softcap, return_lse, deterministic, metadata
     )
     if return_lse:
         assert lse is not None

@@ -1,9 +1,9 @@
 """The ``flex`` backend: FlexAttention with a block mask built straight from the plan's block tables.
 
 The plan's ``kv_visible_until`` classifies every 128x128 tile as skipped, partial or full with a few vectorized ops
-(``_tables``, cached per plan), so the ``BlockMask`` comes from ``BlockMask.from_kv_blocks`` (no dense mask, no
-``create_block_mask`` sweep) and the ``mask_mod`` only reads ``kv_visible_until`` (and the logical positions for a
-sliding window).
+(``_tables``, prepared once per plan in ``TreeAttentionMetadata``), so the ``BlockMask`` comes from
+``BlockMask.from_kv_blocks`` (no dense mask, no ``create_block_mask`` sweep) and the ``mask_mod`` only reads
+``kv_visible_until`` (and the logical positions for a sliding window).
 
 Compilation: the block mask is built inside the compiled region from tensors passed as arguments, so a new plan
 with the same padded length reuses the compiled code. The packed length is padded up to a bucket (four per octave,
@@ -17,19 +17,15 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from arctic_dedup.attention._tables import KernelTables, kernel_tables
-
-if TYPE_CHECKING:
-    from arctic_dedup.plan import Plan
+from arctic_dedup.attention.metadata import FLEX_BLOCK_SIZE, TreeAttentionMetadata
 
 __all__ = ["FLEX_BLOCK_SIZE", "flex_padded_length", "flex_tree_attention"]
 
-FLEX_BLOCK_SIZE = 128
 # Shape classes compiled per process before dynamo gives up: four buckets per octave from 128 tokens to 1M tokens.
 _RECOMPILE_LIMIT = 64
 
@@ -150,13 +146,6 @@ def _pad_tokens(values: torch.Tensor, padded_length: int) -> torch.Tensor:
     return F.pad(values, (0, extra)) if extra else values
 
 
-def _plan_blocks(plan: Plan, sliding_window: int | None) -> KernelTables:
-    """128x128 tables whose full blocks never reach past ``T``: the inputs are padded, so a block FlexAttention
-    treats as full would otherwise see padded keys without its mask function. The sliding window also drops tiles
-    that lie outside it."""
-    return kernel_tables(plan, FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE, sliding_window)
-
-
 def _to_flex_layout(tensor: torch.Tensor, padded_length: int) -> torch.Tensor:
     """``[T, H, D]`` -> ``[1, H, Tp, D]`` (a view when no padding is needed).
 
@@ -183,7 +172,7 @@ def flex_tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    plan: Plan,
+    metadata: TreeAttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -193,6 +182,7 @@ def flex_tree_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FlexAttention over the plan: ``[T, Hq, D]``, ``[T, Hkv, D]`` -> (out ``[T, Hq, D]``, lse ``[T, Hq]`` or None).
 
+    ``metadata``: ``prepare_tree_attention(plan, backends=("flex",), ...)`` covering ``sliding_window``.
     ``compile`` defaults to True on CUDA. On CPU torch refuses FlexAttention's backward and its compiled path does
     not return the log-sum-exp, so CPU runs eagerly (torch's unfused math path) unless told otherwise.
     """
@@ -206,7 +196,10 @@ def flex_tree_attention(
     num_tokens = query.shape[0]
     padded_length = flex_padded_length(num_tokens)
     num_blocks = padded_length // FLEX_BLOCK_SIZE
-    tables = _plan_blocks(plan, sliding_window)
+    plan = metadata.plan
+    # 128x128 tables whose full blocks never reach past T: the inputs are padded, so a block FlexAttention treats
+    # as full would otherwise see padded keys without its mask function.
+    tables = metadata.tables(FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE, sliding_window)
     kv_num, kv_idx = _pad_table(tables.kv_part_num, tables.kv_part_indices, num_blocks)
     full_num, full_idx = _pad_table(tables.kv_full_num, tables.kv_full_indices, num_blocks)
     # Padded keys get 0: no query index is below it, so nobody sees them.

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from arctic_dedup.attention._launch import TritonConfig, default_triton_config, launch_backward, launch_forward
-
-if TYPE_CHECKING:
-    from arctic_dedup.plan import Plan
+from arctic_dedup.attention._launch import launch_backward, launch_forward
+from arctic_dedup.attention.metadata import TreeAttentionMetadata
+from arctic_dedup.attention.triton_config import TritonConfig, default_triton_config
 
 __all__ = ["TreeAttentionFunction", "triton_tree_attention"]
 
@@ -22,7 +21,7 @@ class TreeAttentionFunction(torch.autograd.Function):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        plan: Plan,
+        metadata: TreeAttentionMetadata,
         scale: float,
         sliding_window: int | None,
         softcap: float | None,
@@ -31,10 +30,10 @@ class TreeAttentionFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out, lse = launch_forward(
-            query, key, value, plan, scale=scale, sliding_window=sliding_window, softcap=softcap, config=config
+            query, key, value, metadata, scale=scale, sliding_window=sliding_window, softcap=softcap, config=config
         )
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.plan = plan
+        ctx.prepared = metadata
         ctx.options = (scale, sliding_window, softcap, config, deterministic)
         ctx.set_materialize_grads(False)
         # lse is kept [Hq, T] for the kernels; callers get [T, Hq].
@@ -57,7 +56,7 @@ class TreeAttentionFunction(torch.autograd.Function):
             out,
             lse,
             grad_lse,
-            ctx.plan,
+            ctx.prepared,
             scale=scale,
             sliding_window=sliding_window,
             softcap=softcap,
@@ -71,7 +70,7 @@ def triton_tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    plan: Plan,
+    metadata: TreeAttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -81,11 +80,12 @@ def triton_tree_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``triton`` backend: (out ``[T, Hq, D]``, lse ``[T, Hq]``), differentiable in q, k, v (and through lse).
 
-    ``config`` overrides tile sizes and launch settings (``default_triton_config`` otherwise).
+    ``metadata``: ``prepare_tree_attention(plan, backends=("triton",), ...)`` with the same ``config`` (tile sizes
+    and launch settings; ``default_triton_config`` when None) and ``sliding_window``.
     """
     if config is None:
         config = default_triton_config(query.shape[2], query.device, query.dtype)
     result: tuple[torch.Tensor, torch.Tensor] = TreeAttentionFunction.apply(
-        query, key, value, plan, scale, sliding_window, softcap, config, deterministic
+        query, key, value, metadata, scale, sliding_window, softcap, config, deterministic
     )
     return result

@@ -24,20 +24,19 @@ prompt trees (measured) and leaves deeper tries to FlexAttention and Triton.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
-from torch.utils.weak import WeakTensorKeyDictionary
 
-if TYPE_CHECKING:
-    from arctic_dedup.plan import Plan
+from arctic_dedup.attention._no_lse_grad import NoLseGradientFunction
+from arctic_dedup.attention.metadata import TreeAttentionMetadata
+from arctic_dedup.attention.sdpa_calls import SdpaRun
+from arctic_dedup.attention.varlen import _Segments, _TorchFlash
+from arctic_dedup.lse import merge_attention_states
 
-__all__ = ["build_sdpa_calls", "sdpa_kernel_name", "sdpa_tree_attention"]
+__all__ = ["sdpa_kernel_name", "sdpa_tree_attention"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,113 +177,6 @@ def sdpa_kernel_name(device: torch.device) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The plan as attention calls (host integers, built once per plan).
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Causal self-attention of consecutive nodes that have no descendant tokens (sibling responses, or nodes on
-    their own), or of one node that has: rows ``[start, stop)``, one batched call. Equal lengths: a view of the
-    packed stream. Ragged: FlashAttention-2 varlen over the rows on CUDA (``cu_seqlens`` set), a padded batch
-    elsewhere (``padded_rows`` ``[n, longest]``, padding repeats a node's last row; ``real_positions``: the real
-    rows among the ``n * longest``)."""
-
-    start: int
-    lengths: tuple[int, ...]
-    padded_rows: torch.Tensor | None = None
-    real_positions: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-
-    @property
-    def stop(self) -> int:
-        return self.start + sum(self.lengths)
-
-
-@dataclass(frozen=True)
-class _Cross:
-    """The queries of a node's descendants (rows ``[query_start, query_stop)``, contiguous in preorder) against the
-    node's keys (rows ``[key_start, key_stop)``): one non-causal call, since every descendant sees the whole node."""
-
-    query_start: int
-    query_stop: int
-    key_start: int
-    key_stop: int
-
-
-@dataclass(frozen=True)
-class _Calls:
-    runs: tuple[_Run, ...]
-    crosses: tuple[_Cross, ...]
-    # Cross calls per query row at most (the tree depth): 1 for prompt trees.
-    max_crosses_per_row: int
-
-
-_CALLS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def _calls(plan: Plan) -> _Calls:
-    cached = _CALLS.get(plan.kv_visible_until)
-    if cached is None:
-        cached = _CALLS[plan.kv_visible_until] = build_sdpa_calls(plan)
-    return cached  # type: ignore[no-any-return]
-
-
-def _make_run(start: int, lengths: list[int], device: torch.device) -> _Run:
-    if len(set(lengths)) == 1:
-        return _Run(start, tuple(lengths))
-    offsets = torch.tensor([0, *itertools.accumulate(lengths)])
-    if _ragged_runs_use_varlen(device):
-        return _Run(start, tuple(lengths), cu_seqlens=offsets.to(torch.int32).to(device))
-    steps = torch.arange(max(lengths))
-    lengths_tensor = torch.tensor(lengths)
-    padded_rows = start + offsets[:-1, None] + torch.minimum(steps[None, :], lengths_tensor[:, None] - 1)
-    real = (steps[None, :] < lengths_tensor[:, None]).flatten()
-    return _Run(start, tuple(lengths), padded_rows.to(device), torch.nonzero(real).flatten().to(device))
-
-
-def build_sdpa_calls(plan: Plan) -> _Calls:
-    """The plan as ``backend='sdpa'`` runs it (host integers; one device sync). Uncached: the backend keeps one per
-    plan. Nodes are in preorder, which is the packed order, so a node's descendants are the rows between its end
-    and its subtree's end, and consecutive nodes are consecutive rows."""
-    tree = plan.tree
-    stacked = torch.stack([tree.node_start, tree.node_length, tree.node_subtree_end, tree.node_depth])
-    start, length, subtree_end, depth = stacked.tolist()
-    device = plan.kv_visible_until.device
-    runs: list[_Run] = []
-    crosses: list[_Cross] = []
-    pending: list[int] = []  # consecutive nodes without descendant tokens, batched into one run
-
-    def flush() -> None:
-        if pending:
-            runs.append(_make_run(start[pending[0]], [length[node] for node in pending], device))
-            pending.clear()
-
-    for node in range(len(start)):
-        if length[node] == 0:
-            continue
-        node_stop = start[node] + length[node]
-        if subtree_end[node] > node_stop:
-            flush()
-            runs.append(_Run(start[node], (length[node],)))
-            crosses.append(_Cross(node_stop, subtree_end[node], start[node], node_stop))
-        else:
-            pending.append(node)
-    flush()
-    return _Calls(tuple(runs), tuple(crosses), max(depth, default=0))
-
-
-def _ragged_runs_use_varlen(device: torch.device) -> bool:
-    """Ragged runs on CUDA take FlashAttention-2 varlen (no padding, no gather); torch has no CPU varlen kernel."""
-    return device.type == "cuda"
-
-
-def _varlen_kernels() -> Any:
-    from arctic_dedup.attention.varlen import _TorchFlash
-
-    return _TorchFlash
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Views between the packed stream [T, H, D] and the kernels' [B, H, S, D].
 
 
@@ -303,34 +195,32 @@ def _one(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return _batch(x, start, 1, stop - start)
 
 
-def _run_inputs(run: _Run, x: torch.Tensor) -> torch.Tensor:
+def _run_inputs(run: SdpaRun, x: torch.Tensor) -> torch.Tensor:
     """A run's ``[n, H, L, ...]`` batch of ``x`` ``[T, H, ...]``: a view, or the padded gather of a ragged run."""
     if run.padded_rows is None:
         return _batch(x, run.start, len(run.lengths), run.lengths[0])
     return x[run.padded_rows].transpose(1, 2)
 
 
-def _run_rows(run: _Run, x: torch.Tensor) -> torch.Tensor:
+def _run_rows(run: SdpaRun, x: torch.Tensor) -> torch.Tensor:
     """A run's ``[n, H, L, ...]`` result back to its packed rows ``[rows, H, ...]``."""
     rows = _rows(x)
     return rows if run.real_positions is None else rows[run.real_positions]
 
 
-def _run_segments(run: _Run) -> Any:
-    from arctic_dedup.attention.varlen import _Segments
-
+def _run_segments(run: SdpaRun) -> _Segments:
     assert run.cu_seqlens is not None
     longest = max(run.lengths)
     return _Segments(None, None, run.cu_seqlens, run.cu_seqlens, longest, longest, True)
 
 
 def _run_forward(
-    run: _Run, kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    run: SdpaRun, kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
     """(out rows ``[rows, H, D]``, lse rows ``[rows, H]`` fp32, kernel state) of a run's causal self-attention."""
     if run.cu_seqlens is not None:
-        rows = [x[run.start : run.stop].contiguous() for x in (query, key, value)]
-        out, lse, state = _varlen_kernels().forward(*rows, _run_segments(run), scale)
+        q, k, v = (x[run.start : run.stop].contiguous() for x in (query, key, value))
+        out, lse, state = _TorchFlash.forward(q, k, v, _run_segments(run), scale)
         return out, lse.t().float(), state
     out, lse, state = kernel.forward(
         _run_inputs(run, query), _run_inputs(run, key), _run_inputs(run, value), True, scale
@@ -339,14 +229,14 @@ def _run_forward(
 
 
 def _run_backward(
-    run: _Run, kernel: _Kernel, saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, scale: float, state: Any
+    run: SdpaRun, kernel: _Kernel, saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, scale: float, state: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A run's (dq, dk, dv) rows ``[rows, H, D]`` (its rows only: a run's keys are its own rows)."""
     query, key, value, out, lse = saved
     r0, r1 = run.start, run.stop
     if run.cu_seqlens is not None:
-        tensors = [x[r0:r1].contiguous() for x in (grad_out, query, key, value, out)]
-        dq, dk, dv = _varlen_kernels().backward(*tensors, lse[r0:r1].t().contiguous(), _run_segments(run), scale, state)
+        g, q, k, v, o = (x[r0:r1].contiguous() for x in (grad_out, query, key, value, out))
+        dq, dk, dv = _TorchFlash.backward(g, q, k, v, o, lse[r0:r1].t().contiguous(), _run_segments(run), scale, state)
         return dq, dk, dv
     grad_run = _run_inputs(run, grad_out)
     if run.padded_rows is None:
@@ -372,12 +262,8 @@ def _run_backward(
 def _merge_eager(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial attentions over disjoint keys -> the attention over both: ``[rows, H, D]`` outputs weighted by
-    ``exp(lse_part - lse_total)`` in fp32, and ``lse_total`` ``[rows, H]`` fp32."""
-    lse_a, lse_b = lse_a.float(), lse_b.float()
-    total = torch.logaddexp(lse_a, lse_b)
-    merged = out_a.float() * torch.exp(lse_a - total).unsqueeze(-1)
-    merged = merged + out_b.float() * torch.exp(lse_b - total).unsqueeze(-1)
+    """``merge_attention_states``, its output rounded to ``out_a``'s dtype (fp32 targets stay fp32)."""
+    merged, total = merge_attention_states(out_a, lse_a, out_b, lse_b)
     return merged.to(out_a.dtype), total
 
 
@@ -405,19 +291,21 @@ def _merge(
         return _merge_eager(out_a, lse_a, out_b, lse_b)
 
 
-class _SdpaTreeAttention(torch.autograd.Function):
+class _SdpaTreeAttention(NoLseGradientFunction):
+    BACKEND = "sdpa"
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        plan: Plan,
+        metadata: TreeAttentionMetadata,
         scale: float,
         deterministic: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kernel = _kernel_for(query.device, deterministic)
-        calls = _calls(plan)
+        calls = metadata.calls()
         out = torch.empty_like(query)
         # Rows merged more than once (trees deeper than prompt + responses) accumulate in fp32, rounded once.
         target = out if calls.max_crosses_per_row <= 1 else torch.empty_like(query, dtype=torch.float32)
@@ -439,23 +327,13 @@ class _SdpaTreeAttention(torch.autograd.Function):
         if target is not out:
             out.copy_(target)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.plan, ctx.scale, ctx.kernel, ctx.deterministic = plan, scale, kernel, deterministic
+        ctx.calls, ctx.scale, ctx.kernel, ctx.deterministic = calls, scale, kernel, deterministic
         ctx.run_states, ctx.cross_states = run_states, cross_states
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        if grad_lse is not None and bool(grad_lse.ne(0).any()):
-            raise NotImplementedError(
-                "backend='sdpa' does not propagate gradients through the returned lse; use 'triton', 'flex' or "
-                "'reference' when the loss depends on the lse."
-            )
-        if grad_out is None:
-            return None, None, None, None, None, None
+    def output_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         with _deterministic_algorithms(ctx.deterministic):
             return _SdpaTreeAttention._backward(ctx, grad_out)
 
@@ -463,7 +341,7 @@ class _SdpaTreeAttention(torch.autograd.Function):
     def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = tuple(ctx.saved_tensors)
         query, key, value, out, lse = saved
-        kernel, calls = ctx.kernel, _calls(ctx.plan)
+        kernel, calls = ctx.kernel, ctx.calls
         grad_out = grad_out.contiguous()
         # Each run writes its own rows first (the runs cover every row once); the cross calls then add.
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
@@ -488,7 +366,7 @@ def sdpa_tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    plan: Plan,
+    metadata: TreeAttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -496,8 +374,9 @@ def sdpa_tree_attention(
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[T, Hq, D]``, lse ``[T, Hq]`` fp32); see the module docstring for what is supported.
-    ``deterministic`` (or ``torch.use_deterministic_algorithms``): FlashAttention-2's deterministic backward on CUDA
-    instead of cuDNN's (the CPU kernel is deterministic anyway)."""
+    ``metadata``: ``prepare_tree_attention(plan, backends=("sdpa",), ...)``. ``deterministic`` (or
+    ``torch.use_deterministic_algorithms``): FlashAttention-2's deterministic backward on CUDA instead of cuDNN's
+    (the CPU kernel is deterministic anyway)."""
     if sliding_window is not None or softcap is not None:
         raise NotImplementedError(
             "backend='sdpa' supports neither sliding_window nor softcap (torch's fused kernels take neither here); "
@@ -508,5 +387,7 @@ def sdpa_tree_attention(
             f"backend='sdpa' on CUDA (cuDNN / FlashAttention-2 kernels) takes float16 or bfloat16, got {query.dtype}; "
             "use backend='flex' or 'triton' for float32."
         )
-    result: tuple[torch.Tensor, torch.Tensor] = _SdpaTreeAttention.apply(query, key, value, plan, scale, deterministic)
+    result: tuple[torch.Tensor, torch.Tensor] = _SdpaTreeAttention.apply(
+        query, key, value, metadata, scale, deterministic
+    )
     return result

@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from arctic_dedup.attention._no_lse_grad import NoLseGradientFunction
+from arctic_dedup.lse import merge_attention_states
+
 if TYPE_CHECKING:
     from arctic_dedup.plan import Plan
 
@@ -210,7 +213,9 @@ def _lse_rows(lse: torch.Tensor, num_heads: int, num_rows: int) -> torch.Tensor:
     return lse.t().float()
 
 
-class _VarlenTreeAttention(torch.autograd.Function):
+class _VarlenTreeAttention(NoLseGradientFunction):
+    BACKEND = "varlen"
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Plan, scale: float
@@ -228,16 +233,12 @@ class _VarlenTreeAttention(torch.autograd.Function):
             outputs.append(out)
             lses.append(_lse_rows(lse, num_heads, q.shape[0]))
             states.append(state)
-        # Merge by log-sum-exp: total = logaddexp over the parts each query takes part in.
-        total = lses[0].clone()
-        for part, lse in zip(parts[1:], lses[1:]):
-            assert part.query_index is not None
-            total[part.query_index] = torch.logaddexp(total[part.query_index], lse)
-        merged = outputs[0].float() * torch.exp(lses[0] - total)[..., None]
+        # Fold every cross part into the rows it covers (node self-attention covers every row once).
+        merged, total = outputs[0].float(), lses[0].clone()
         for part, out, lse in zip(parts[1:], outputs[1:], lses[1:]):
             assert part.query_index is not None
-            weight = torch.exp(lse - total[part.query_index])[..., None]
-            merged.index_add_(0, part.query_index, out.float() * weight)
+            rows = part.query_index
+            merged[rows], total[rows] = merge_attention_states(merged[rows], total[rows], out, lse)
         result = merged.to(query.dtype)
         ctx.save_for_backward(query, key, value, result, total)
         ctx.plan = plan
@@ -247,18 +248,8 @@ class _VarlenTreeAttention(torch.autograd.Function):
         return result, total
 
     @staticmethod
-    @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        if grad_lse is not None and bool(grad_lse.ne(0).any()):
-            raise NotImplementedError(
-                "backend='varlen' does not propagate gradients through the returned lse; use 'triton', 'flex' or "
-                "'reference' when the loss depends on the lse."
-            )
+    def output_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, out, total = ctx.saved_tensors
-        if grad_out is None:
-            return None, None, None, None, None
         kernels = _kernels()
         grad_out = grad_out.contiguous()
         dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)

@@ -5,15 +5,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from arctic_dedup._triton_support import interpreting
 from arctic_dedup.errors import PlanError
-
-if TYPE_CHECKING:
-    from arctic_dedup.forest.plan import ForestGrouping, ForestKernelConfig, ForestPlan, ForestWorkspace, _Sizes
+from arctic_dedup.forest.plan_types import ForestGrouping, ForestKernelConfig, ForestPlan, ForestWorkspace, PlanSizes
 
 __all__ = [
     "Partials",
@@ -117,7 +115,7 @@ def launch_plan(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     views: dict[str, torch.Tensor],
-    sizes: _Sizes,
+    sizes: PlanSizes,
     block_size: int,
     grouping: ForestGrouping | None,
     workspace: ForestWorkspace | None,

@@ -7,6 +7,7 @@ import torch
 from arctic_dedup._triton_support import Backend, resolve_backend
 from arctic_dedup.forest._launch import check_decode_inputs, launch_forest_decode
 from arctic_dedup.forest.plan import ForestKernelConfig, ForestPlan, plan_paged
+from arctic_dedup.lse import merge_attention_states
 
 __all__ = ["forest_decode", "paged_decode"]
 
@@ -28,16 +29,6 @@ def _attend(
     weights = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.einsum("hrk,khd->rhd", weights, values.repeat_interleave(group, dim=1))
     return out, lse.transpose(0, 1)
-
-
-def _merge(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isinf(lse), 0.0, lse)
-    weight_a = torch.exp(lse_a - safe)[..., None]
-    weight_b = torch.exp(lse_b - safe)[..., None]
-    return out_a * weight_a + out_b * weight_b, lse
 
 
 def _forest_decode_torch(
@@ -86,7 +77,7 @@ def _forest_decode_torch(
         visible = positions[None, :] <= query_positions[:, None]
         request_out, request_lse = _attend(query[begin:end].float(), keys, values, scale, visible)
         if request in prefix_parts:
-            request_out, request_lse = _merge(request_out, request_lse, *prefix_parts[request])
+            request_out, request_lse = merge_attention_states(request_out, request_lse, *prefix_parts[request])
         out[begin:end] = request_out.to(out.dtype)
         lse[begin:end] = request_lse
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from arctic_dedup.index_map import IndexMap
+from arctic_dedup.plan.index_map import IndexMap
 
 __all__ = ["launch_gather_rows", "launch_scatter_copies", "launch_segment_sum_rows"]
 

@@ -12,8 +12,8 @@ import torch
 
 from arctic_dedup._triton_support import Backend, resolve_backend
 from arctic_dedup.errors import PlanError
-from arctic_dedup.index_map import IndexMap
 from arctic_dedup.packing._launch import launch_scatter_copies, launch_segment_sum_rows
+from arctic_dedup.plan.index_map import IndexMap
 
 __all__ = ["gather_rows", "segment_sum_rows"]
 

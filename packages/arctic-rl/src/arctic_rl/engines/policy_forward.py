@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from arctic_dedup.balance import PromptGroup, partition_items, plan_micro_batches, prompt_groups
-from arctic_dedup.layout import SampleLayout, default_position_ids
+from arctic_dedup.plan.layout import SampleLayout, default_position_ids
 
 __all__ = [
     "EngineMicroBatches",

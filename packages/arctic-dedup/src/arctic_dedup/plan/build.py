@@ -22,11 +22,11 @@ from typing import Literal
 
 import torch
 
-from arctic_dedup.attention_meta import VarlenParams, build_varlen_params
 from arctic_dedup.errors import BatchLayoutError, PlanError
-from arctic_dedup.grouping import group_rows, hash_int64
-from arctic_dedup.index_map import IndexMap
-from arctic_dedup.layout import SampleLayout
+from arctic_dedup.plan.attention_meta import VarlenParams, build_varlen_params
+from arctic_dedup.plan.grouping import group_rows, hash_int64
+from arctic_dedup.plan.index_map import IndexMap
+from arctic_dedup.plan.layout import SampleLayout
 
 __all__ = ["Plan", "PrefixSharing", "PrefixTree", "ResponseIndex", "build_plan", "build_plan_from_layout"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_dedup.index_map import ranges_to_index
+from arctic_dedup.plan.index_map import ranges_to_index
 
 __all__ = ["CrossAttentionLevel", "VarlenParams", "dense_tree_mask"]
 
