@@ -20,8 +20,12 @@ SCHEMA = [
     "CREATE TABLE concert (concert_id INTEGER PRIMARY KEY, singer_id INTEGER REFERENCES singer(singer_id), "
     "year INTEGER, attendance INTEGER)",
 ]
-SINGERS = [(1, "Joe Sharp", "Netherlands", 52), (2, "Timbaland", "United States", 32), (3, "Justin Brown", "France", 29),
-           (4, "Rose White", "France", 41)]  # fmt: skip
+SINGERS = [
+    (1, "Joe Sharp", "Netherlands", 52),
+    (2, "Timbaland", "United States", 32),
+    (3, "Justin Brown", "France", 29),
+    (4, "Rose White", "France", 41),
+]
 CONCERTS = [(1, 1, 2014, 1200), (2, 2, 2014, 3000), (3, 2, 2015, 2500), (4, 3, 2015, 800), (5, 4, 2015, 800)]
 # A recursive count to a billion: many seconds of work for SQLite, so it must be interrupted.
 SLOW_QUERY = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1000000000) SELECT max(i) FROM n"
@@ -108,7 +112,7 @@ def test_reward_is_execution_match_with_a_format_reward(db_root: Path) -> None:
 def test_a_slow_query_times_out(db_root: Path) -> None:
     database = database_of(db_root)
     started = time.monotonic()
-    with pytest.raises(SqlTimeout, match="longer than 0.3 s"):
+    with pytest.raises(SqlTimeout, match=r"longer than 0\.3 s"):
         execute_readonly(database, SLOW_QUERY, FAST)
     assert time.monotonic() - started < 3.0
     task = txt2sql_task(db_root, FAST)
