@@ -28,6 +28,7 @@ from arctic_rl import (
     FcaSection,
     PolicyLossConfig,
     SamplingConfig,
+    StepTimer,
     SyncArcticRLClient,
     TrainingConfig,
     ZorroTrainSection,
@@ -169,7 +170,9 @@ class RecipeBuilder(Protocol):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step's outcome: rewards, throughput and where the time went (seconds)."""
+    """One step's outcome: rewards, throughput, where the time went (seconds, around the client's calls; reward
+    includes building the batch) and the engines' own metrics of the step (``step()``'s: phase times, tokens/s,
+    ZoRRO savings, FCA reads saved, the train/inference log-prob mismatch)."""
 
     step: int
     reward_mean: float
@@ -182,9 +185,11 @@ class StepRecord:
     seconds: float
     trajectories_per_s: float
     time_generate: float
+    time_reward: float
     time_log_prob: float
     time_train: float
     time_sync: float
+    engine_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,7 @@ class RunSummary:
     trajectories_per_s: float
     seconds: float
     time_generate: float
+    time_reward: float
     time_log_prob: float
     time_train: float
     time_sync: float
@@ -212,14 +218,14 @@ class RunSummary:
             ("eval reward, last", "-" if self.eval_reward_last is None else f"{self.eval_reward_last:.3f}"),
             ("trajectories/s", f"{self.trajectories_per_s:.2f}"),
             ("wall time", f"{self.seconds:.1f} s"),
-            ("generate / log-prob / train / sync", self._split()),
+            ("generate / reward / log-prob / train / sync", self._split()),
             ("metrics", self.metrics_path),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
     def _split(self) -> str:
-        parts = (self.time_generate, self.time_log_prob, self.time_train, self.time_sync)
+        parts = (self.time_generate, self.time_reward, self.time_log_prob, self.time_train, self.time_sync)
         return " / ".join(f"{seconds:.1f} s" for seconds in parts)
 
 
@@ -282,29 +288,34 @@ def _one_step(
     sampling: dict[str, Any],
     pad_token_id: int,
 ) -> StepRecord:
-    started = time.perf_counter()
+    # Timed here, around the client's calls (what the loop waits for, transfers included): the engines' own times
+    # of a step also count an evaluation's generation that ran since the previous step.
+    timer = StepTimer()
     prompts = [list(example.prompt_ids) for example in examples]
-    samples = client.generate(prompts, {**sampling, "seed": recipe.loop.seed + step})
-    rewards = [
-        [task.reward(sample["text"], example.reference) for sample in group]
-        for example, group in zip(examples, samples, strict=True)
-    ]
-    if recipe.config.colocate:
-        client.sleep_inference()
-    batch = build_grpo_batch(prompts, samples, rewards, pad_token_id=pad_token_id)
-    batch["old_log_probs"] = client.fwd_no_grad(batch)["logprobs"]
-    result = client.fwd_bwd(batch, processing=recipe.loop.processing())
-    stats = client.step()
-    if recipe.config.colocate:
-        client.wake_inference()
-    sync_started = time.perf_counter()
-    client.sync_weights()
-    finished = time.perf_counter()
-    # The step's metrics close at step(); the sync after it is timed here so that each step carries its own.
-    metrics = stats["metrics"]
+    with timer.phase("generate"):
+        samples = client.generate(prompts, {**sampling, "seed": recipe.loop.seed + step})
+    with timer.phase("reward"):
+        rewards = [
+            [task.reward(sample["text"], example.reference) for sample in group]
+            for example, group in zip(examples, samples, strict=True)
+        ]
+        batch = build_grpo_batch(prompts, samples, rewards, pad_token_id=pad_token_id)
+    with timer.phase("train"):
+        if recipe.config.colocate:
+            client.sleep_inference()
+    with timer.phase("log_prob"):
+        batch["old_log_probs"] = client.fwd_no_grad(batch)["logprobs"]
+    with timer.phase("train"):
+        result = client.fwd_bwd(batch, processing=recipe.loop.processing())
+        stats = client.step()
+    with timer.phase("sync"):
+        if recipe.config.colocate:
+            client.wake_inference()
+        client.sync_weights()
     flat_rewards = [reward for group in rewards for reward in group]
     lengths = [len(sample["token_ids"]) for group in samples for sample in group]
-    seconds = finished - started
+    seconds = timer.metrics()["time/step"]
+    engine_metrics = {key: float(value) for key, value in stats["metrics"].items()}
     return StepRecord(
         step=step,
         reward_mean=statistics.fmean(flat_rewards),
@@ -313,13 +324,15 @@ def _one_step(
         response_tokens_mean=statistics.fmean(lengths),
         loss=float(result["loss"]),
         grad_norm=float(stats["grad_norm"]),
-        dedup_savings=metrics.get("zorro/savings"),
+        dedup_savings=engine_metrics.get("zorro/savings"),
         seconds=seconds,
         trajectories_per_s=len(flat_rewards) / seconds,
-        time_generate=float(metrics.get("time/generate", 0.0)),
-        time_log_prob=float(metrics.get("time/log_prob", 0.0)),
-        time_train=float(metrics.get("time/train", 0.0)),
-        time_sync=finished - sync_started,
+        time_generate=timer.seconds("generate"),
+        time_reward=timer.seconds("reward"),
+        time_log_prob=timer.seconds("log_prob"),
+        time_train=timer.seconds("train"),
+        time_sync=timer.seconds("sync"),
+        engine_metrics=engine_metrics,
     )
 
 
@@ -341,8 +354,8 @@ def _postfix(record: StepRecord) -> str:
     parts.append(f"{record.trajectories_per_s:.2f} traj/s")
     if record.dedup_savings is not None:
         parts.append(f"dedup {record.dedup_savings:.0%}")
-    split = (record.time_generate, record.time_log_prob, record.time_train, record.time_sync)
-    parts.append("gen/lp/train/sync " + "/".join(f"{seconds:.1f}" for seconds in split) + " s")
+    split = (record.time_generate, record.time_reward, record.time_log_prob, record.time_train, record.time_sync)
+    parts.append("gen/reward/lp/train/sync " + "/".join(f"{seconds:.1f}" for seconds in split) + " s")
     return ", ".join(parts)
 
 
@@ -359,6 +372,7 @@ def _summarize(records: Sequence[StepRecord], metrics_path: Path) -> RunSummary:
         trajectories_per_s=sum(record.trajectories for record in records) / seconds,
         seconds=seconds,
         time_generate=sum(record.time_generate for record in records),
+        time_reward=sum(record.time_reward for record in records),
         time_log_prob=sum(record.time_log_prob for record in records),
         time_train=sum(record.time_train for record in records),
         time_sync=sum(record.time_sync for record in records),
