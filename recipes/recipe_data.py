@@ -28,7 +28,10 @@ Reference = TypeVar("Reference")
 Record = Mapping[str, Any]
 Messages = list[dict[str, str]]
 
-_EXTRA = "install the recipes' extra: `pip install 'arctic-platform[recipes]'` (datasets, pyarrow)"
+_EXTRA = (
+    "install the recipes' extra `arctic-platform[recipes]` (datasets, pyarrow): from the repository root, "
+    "`uv sync --all-packages --extra recipes` or `pip install '.[recipes]'`"
+)
 
 
 class RecipeDataError(ValueError):
@@ -82,7 +85,8 @@ def load_records(
 ) -> list[dict[str, Any]]:
     """Rows of ``source`` as dicts, in file order, at most ``limit`` of them.
 
-    ``source`` is a ``.jsonl`` file (one JSON object a line), a ``.parquet`` file, or else a dataset the ``datasets``
+    ``source`` is a ``.jsonl`` file (one JSON object a line), a ``.json`` file (an array of objects, as BIRD ships
+    its splits), a ``.parquet`` file, or else a dataset the ``datasets``
     library loads: a hub id (``openai/gsm8k`` with ``subset="main"``) or a local dataset directory, of which the
     ``split`` is read.
     """
@@ -91,6 +95,8 @@ def load_records(
     path = Path(source)
     if path.suffix == ".jsonl":
         records = _read_jsonl(path, limit)
+    elif path.suffix == ".json":
+        records = _read_json_list(path, limit)
     elif path.suffix == ".parquet":
         records = _read_parquet(path, limit)
     else:
@@ -122,6 +128,19 @@ def _read_jsonl(path: Path, limit: int | None) -> list[dict[str, Any]]:
     return records
 
 
+def _read_json_list(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    # BIRD and Spider ship their splits as one JSON array of objects.
+    if not path.is_file():
+        raise RecipeDataError(f"no JSON file at {path}; check the --data path.")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise RecipeDataError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+    if not isinstance(document, list) or not all(isinstance(record, dict) for record in document):
+        raise RecipeDataError(f"{path} must hold a JSON array of objects (one per record); use .jsonl for lines.")
+    return document[:limit] if limit is not None else document
+
+
 def _read_parquet(path: Path, limit: int | None) -> list[dict[str, Any]]:
     if not path.is_file():
         raise RecipeDataError(f"no Parquet file at {path}; check the --data path.")
@@ -141,7 +160,7 @@ def _read_datasets(source: str, *, split: str, subset: str | None, limit: int | 
         import datasets
     except ImportError:
         raise RecipeDataError(
-            f"{source!r} is neither a .jsonl nor a .parquet file, so it is read as a hub dataset id or a local "
+            f"{source!r} is not a .jsonl, .json or .parquet file, so it is read as a hub dataset id or a local "
             f"dataset directory, which needs the `datasets` library: {_EXTRA}."
         ) from None
     dataset = datasets.load_dataset(source, subset, split=split)

@@ -35,6 +35,16 @@ def test_jsonl_errors_name_the_line_and_the_fix(tmp_path: Path) -> None:
         load_records(str(path), limit=0)
 
 
+def test_a_json_array_file_as_bird_ships_it(tmp_path: Path) -> None:
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(RECORDS))
+    assert load_records(str(path)) == RECORDS
+    assert load_records(str(path), limit=1) == RECORDS[:1]
+    path.write_text(json.dumps({"data": RECORDS}))
+    with pytest.raises(RecipeDataError, match="must hold a JSON array of objects"):
+        load_records(str(path))
+
+
 def test_a_dataset_directory_loads_through_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
@@ -59,7 +69,9 @@ def test_missing_optional_dependencies_name_the_extra(tmp_path: Path, monkeypatc
         load_records("openai/gsm8k", subset="main")
     parquet = tmp_path / "train.parquet"
     parquet.write_bytes(b"PAR1")
-    with pytest.raises(RecipeDataError, match=r"needs pyarrow: install the recipes' extra"):
+    with pytest.raises(
+        RecipeDataError, match=r"needs pyarrow: install the recipes' extra `arctic-platform\[recipes\]`"
+    ):
         load_records(str(parquet))
 
 
