@@ -262,7 +262,12 @@ def run_recipe(
     loop = recipe.loop
     output_dir.mkdir(parents=True, exist_ok=True)
     batches = prompt_batches(train, loop.prompts_per_step, loop.seed)
-    sampling = {"n": loop.group_size, "max_tokens": loop.max_tokens, "temperature": loop.temperature}
+    sampling = {
+        "n": loop.group_size,
+        "max_tokens": loop.max_tokens,
+        "temperature": loop.temperature,
+        "top_p": loop.top_p,
+    }
     records: list[StepRecord] = []
     with client_factory(recipe.config, blocking_calls=True) as client:
         bar = tqdm(range(loop.steps), desc=task.name, unit="step", disable=not show_progress)
@@ -352,6 +357,9 @@ def _postfix(record: StepRecord) -> str:
     if record.eval_reward is not None:
         parts.append(f"eval {record.eval_reward:.3f}")
     parts.append(f"{record.trajectories_per_s:.2f} traj/s")
+    generated_per_s = record.engine_metrics.get("throughput/generate_tokens_per_s")
+    if generated_per_s is not None:
+        parts.append(f"{generated_per_s:.0f} gen tok/s")
     if record.dedup_savings is not None:
         parts.append(f"dedup {record.dedup_savings:.0%}")
     split = (record.time_generate, record.time_reward, record.time_log_prob, record.time_train, record.time_sync)

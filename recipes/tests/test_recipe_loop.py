@@ -93,7 +93,7 @@ def test_loop_runs_the_steps_and_writes_metrics(tmp_path: Path, colocate: bool) 
     train_step += [*(["wake"] if colocate else []), "sync"]
     # Evaluation after steps 2 (every 2) and 3 (the last).
     assert client.calls == [*train_step, *train_step, "generate", *train_step, "generate", "shutdown"]
-    assert client.generate_params[0] == {"n": 4, "max_tokens": 8, "temperature": 1.0, "seed": 0}
+    assert client.generate_params[0] == {"n": 4, "max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 0}
     assert client.generate_params[2] == {"n": 1, "max_tokens": 8, "temperature": 0.0, "seed": 1}
     document = json.loads((tmp_path / "run" / "metrics.json").read_text())
     steps = document["steps"]
