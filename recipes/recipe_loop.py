@@ -260,6 +260,8 @@ def run_recipe(
 ) -> RunSummary:
     """Run ``recipe.loop.steps`` GRPO steps of ``task`` on ``train``; write ``metrics.json`` into ``output_dir``."""
     loop = recipe.loop
+    # Absolute, so that the printed summary and metrics.json name the run directory wherever they are read.
+    output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     batches = prompt_batches(train, loop.prompts_per_step, loop.seed)
     sampling = {

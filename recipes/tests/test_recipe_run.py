@@ -48,7 +48,7 @@ def test_two_gsm8k_steps_run_on_the_cpu(tmp_path: Path) -> None:
         sys.executable, str(RECIPE), "--model", str(model), "--data", str(data), "--eval-data", str(data),
         "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "8",
         "--max-prompt-tokens", "256", "--eval-every", "1", "--eval-prompts", "2", "--device", "cpu",
-        "--lr", "1e-4", "--output", str(tmp_path / "run"),
+        "--lr", "1e-4", "--output", "run",
     ]
     # fmt: on
     result = subprocess.run(
@@ -56,6 +56,7 @@ def test_two_gsm8k_steps_run_on_the_cpu(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "training data: 6 prompts of 6 records" in result.stdout
+    # The relative --output is the run directory under the working directory the command started in.
     document = json.loads((tmp_path / "run" / "metrics.json").read_text())
     steps = document["steps"]
     assert [step["step"] for step in steps] == [0, 1]
