@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import nox
@@ -223,22 +224,22 @@ def dedup_triton(session: nox.Session, triton: str) -> None:
 @nox.session(python="3.11")
 def bench_checks(session: nox.Session) -> None:
     """The tests of ``benchmarks/`` and ``recipes/`` (not of any package): every script imports against the packages,
-    the lab probes' CPU dry runs match torch, the committed headline results are complete, the main job runs."""
-    local = {name: str(ROOT / "packages" / name) for name in PACKAGES}
-    # rl_engine.py drives arctic-rl's DeepSpeed training engine (no vLLM): the engines' side without the sampler.
-    _install(
-        session,
-        local["arctic-dedup"],
-        f"{local['arctic-zorro-train']}[deepspeed]",
-        local["arctic-rl"],
-        "transformers",
-        *TEST_TOOLS,
-    )
+    the lab probes' CPU dry runs match torch, the committed headline results are complete, the main job runs, and
+    the real recipes' data, prompts, rewards and a two-step run with the engines (vLLM's CPU build included)."""
+    # The full RL stack as arctic-rl's own tests install it, plus the recipes' extra of the root package.
+    _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"), *TEST_TOOLS)
+    _drop_cuda_extras(session)
     env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0", "DS_ACCELERATOR": "cpu"}
     session.run(
         "python", "-m", "pytest", str(ROOT / "benchmarks" / "tests"), str(ROOT / "recipes" / "tests"), "-q",
         "-p", "no:cacheprovider", *session.posargs, env=env,
     )  # fmt: skip
+
+
+def _root_extra(name: str) -> list[str]:
+    """The requirements of the root package's optional dependency ``name`` (pyproject.toml is their one source)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return list(project["optional-dependencies"][name])
 
 
 @nox.session(python="3.11")
