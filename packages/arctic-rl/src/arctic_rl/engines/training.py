@@ -118,7 +118,8 @@ class TrainingEngine(DeepSpeedModelEngine):
         if self.zero_stage > 0:
             ds_config["zero_allow_untested_optimizer"] = True
         if training.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf_model: Any = model  # a transformers PreTrainedModel
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # On CUDA the fused kernel: one pass over the (ZeRO-flattened) fp32 state instead of a dozen elementwise
         # kernels, the same update up to rounding.
         optimizer = torch.optim.AdamW(
