@@ -10,6 +10,7 @@ from arctic_rl.client import ArcticRLClient, SyncArcticRLClient, attach_arctic_r
 from arctic_rl.config import (
     ArcticRLClientConfig,
     FcaSection,
+    HttpConfig,
     SamplingConfig,
     TrainingConfig,
     WeightSyncConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "EngineError",
     "EngineStateError",
     "FcaSection",
+    "HttpConfig",
     "LossFn",
     "LossInputs",
     "LossNeeds",
