@@ -38,8 +38,12 @@ class Transport(Protocol):
 def _raise_from_ray(error: BaseException) -> None:
     from ray.exceptions import RayActorError, RayTaskError
 
+    # Ray raises a service-side ArcticRLError as a class deriving from both it and RayTaskError, whose message is
+    # the remote traceback: re-raise the original exception (same type, fields and message).
     if isinstance(error, RayTaskError) and isinstance(error.cause, ArcticRLError):
         raise error.cause from None
+    if isinstance(error, ArcticRLError):
+        raise error
     if isinstance(error, RayActorError):
         raise EngineError(
             "service", f"the arctic-rl service actor died ({type(error).__name__}); create a new client."
@@ -58,8 +62,6 @@ class RayTransport:
     async def call(self, op: str, arguments: dict[str, Any]) -> Any:
         try:
             return await getattr(self._service, op).remote(**arguments)
-        except ArcticRLError:
-            raise
         except Exception as error:
             _raise_from_ray(error)
 
@@ -68,8 +70,6 @@ class RayTransport:
 
         try:
             return ray.get(getattr(self._service, op).remote(**arguments))
-        except ArcticRLError:
-            raise
         except Exception as error:
             _raise_from_ray(error)
 
