@@ -186,6 +186,7 @@ class _TooLarge(Exception):
 def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
     """The FastAPI application over a blocking client of the service (Ray transport); see the module doc."""
     from arctic_rl import __version__
+    from arctic_rl.client import SyncArcticRLClient
 
     app = FastAPI(
         title="arctic-rl",
@@ -247,7 +248,7 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
             methods=[operation.method],
             name=op,
             summary=op,
-            description=(getattr(type(client), op).__doc__ or f"The client's {op}().").strip(),
+            description=(getattr(SyncArcticRLClient, op).__doc__ or f"The client's {op}().").strip(),
             openapi_extra=extra,
         )
 
