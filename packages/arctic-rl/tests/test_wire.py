@@ -78,13 +78,15 @@ def test_nested_outputs_empty_tensors_views_and_numpy() -> None:
         "empty": torch.zeros(0, 7),
         "empty_int": torch.zeros(2, 0, dtype=torch.int32),
         "scalar": torch.tensor(3.5),
-        # Views of one storage, one of them strided: each travels as its own contiguous copy.
+        # Views of one storage (safetensors refuses shared storage), one of them strided: each travels on its own.
+        "whole": base,
         "column": base[:, 1],
         "rows": base[1:],
         "metrics": {"loss": 0.125, "nan": float("nan"), "steps": 3, "flag": True, "none": None},
     }
     decoded = decode_message(encode_message(message))
     assert torch.equal(decoded["column"], base[:, 1]) and torch.equal(decoded["rows"], base[1:])
+    assert torch.equal(decoded["whole"], base)
     assert decoded["empty"].shape == (0, 7) and decoded["empty_int"].dtype == torch.int32
     assert decoded["scalar"].shape == () and float(decoded["scalar"]) == 3.5
     assert decoded["samples"] == message["samples"]

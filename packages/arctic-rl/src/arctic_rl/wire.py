@@ -162,8 +162,14 @@ def _put_tensor(tensor: torch.Tensor, tensors: dict[str, torch.Tensor], where: s
     if tensor.layout != torch.strided:
         raise WireFormatError(f"{where} is a {tensor.layout} tensor; send it dense (tensor.to_dense()).")
     name = f"t{len(tensors)}"
-    # A private copy: safetensors refuses tensors that share storage (views of one batch often do).
-    tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    dense = tensor.detach().to("cpu").contiguous()
+    # safetensors refuses tensors that share storage (row slices of one batch do): such a view travels as a copy.
+    storage = dense.untyped_storage().data_ptr()
+    if dense.numel() and any(
+        other.numel() and other.untyped_storage().data_ptr() == storage for other in tensors.values()
+    ):
+        dense = dense.clone()
+    tensors[name] = dense
     return {_TENSOR_TAG: name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
 
 
