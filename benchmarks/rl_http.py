@@ -7,10 +7,11 @@ sample). Every answer is checked against the one the first client got alone (sam
 lost or garbled passes; latencies give p50/p99 per operation and overall. ``summary.control_call_ms`` is the median
 of ``last_step_metrics`` alone (a call that reaches the service and no engine). Goal: <= 5 ms.
 
-Wire: a ``--wire-mib`` batch (float32 ``old_log_probs``-like tensors) is encoded, posted to the server's own
-application (``arctic_rl.serve.create_app``: body streaming, size limit, parsing, decoding; the service behind it
-is a stand-in that answers at once) and decoded there; GB/s of that against a plain memory copy of the same bytes on
-the same machine gives ``summary.wire_copy_fraction``. Goal: >= 0.25.
+Wire: a ``--wire-mib`` batch (float32 ``old_log_probs``-like tensors) is encoded and posted by the client's HTTP
+transport to the server's own application (``arctic_rl.serve.create_app`` in a process of its own: body streaming,
+size limit, parsing, decoding; the service behind it is a stand-in that answers at once) and decoded there; GB/s
+of that against a plain memory copy of the same bytes on the same machine gives ``summary.wire_copy_fraction``.
+Goal: >= 0.25.
 
 Run it only on an idle machine (other load skews both parts):
 
@@ -24,9 +25,9 @@ import argparse
 import asyncio
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -144,13 +145,23 @@ class _ImmediateService:
         return {}
 
 
-def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
-    """Encode + post + decode a ``mib`` MiB batch through the server's application, against a plain copy."""
-    import httpx
+def serve_immediate(port: int, limit: int) -> None:
+    """Child process: the server's own application (``create_app``) over the stand-in service, on ``port``."""
     import uvicorn
 
     from arctic_rl.serve import ServerSettings, create_app
-    from arctic_rl.wire import CONTENT_TYPE, encode_message
+
+    app = create_app(_ImmediateService(), ServerSettings(port=port, max_request_bytes=limit))  # type: ignore[arg-type]
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
+    """Encode + post + decode a ``mib`` MiB batch through the client's HTTP transport and the server's application
+    (in its own process), against a plain copy of the same bytes."""
+    import httpx
+
+    from arctic_rl import ArcticRLClientConfig
+    from arctic_rl.http_client import HttpTransport
 
     rows = 1024
     columns = mib * 1024**2 // 4 // rows // 2
@@ -160,30 +171,35 @@ def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
         "advantages": torch.randn(rows, columns, generator=generator),
     }
     size = sum(tensor.numel() * tensor.element_size() for tensor in batch.values())
-    limit = 2 * size + (64 << 20)
+    limit_mib = 2 * mib + 64
     port = free_port()
-    app = create_app(_ImmediateService(), ServerSettings(port=port, max_request_bytes=limit))  # type: ignore[arg-type]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--immediate-server", str(port), str(limit_mib * 1024**2)], start_new_session=True
+    )
     try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the stand-in server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        config = ArcticRLClientConfig(
+            model_name="unused", comm_protocol="http", port=port, http={"max_request_mb": limit_mib}
+        )
+        transport = HttpTransport(config)
+        arguments = {"batch": batch, "reference_model": False, "calculate_entropy": False}
         wire_seconds = []
-        with httpx.Client(timeout=600) as client:
-            for _ in range(repeats):
-                start = time.perf_counter()
-                body = encode_message({"batch": batch}, max_bytes=limit)
-                response = client.post(
-                    f"http://127.0.0.1:{port}/v1/fwd_no_grad", content=body, headers={"Content-Type": CONTENT_TYPE}
-                )
-                wire_seconds.append(time.perf_counter() - start)
-                del body
-                # The stand-in service answers {} only after the server decoded and validated the message.
-                assert response.status_code == 200 and response.headers["content-type"] == CONTENT_TYPE, response.text
+        for _ in range(repeats):
+            start = time.perf_counter()
+            # The stand-in answers {} only after the server read, decoded and validated the message.
+            assert transport.call_sync("fwd_no_grad", arguments) == {}
+            wire_seconds.append(time.perf_counter() - start)
+        transport.close_sync()
     finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+        server.terminate()
+        server.wait(timeout=60)
     source = torch.cat([tensor.flatten() for tensor in batch.values()])
     target = torch.empty_like(source)
     copy_seconds = []
@@ -232,7 +248,11 @@ def main() -> None:
     parser.add_argument("--wire-repeats", type=int, default=3)
     parser.add_argument("--control-repeats", type=int, default=200)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--immediate-server", nargs=2, type=int, metavar=("PORT", "LIMIT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.immediate_server:
+        serve_immediate(*args.immediate_server)
+        return
     if args.smoke:
         args.clients, args.requests, args.wire_mib, args.wire_repeats, args.control_repeats = 2, 5, 16, 2, 20
     wire = wire_throughput(args.wire_mib, args.wire_repeats)
