@@ -214,8 +214,9 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
                 )
             job = activity.begin(op)
             try:
-                arguments = parse_arguments(
-                    op, request.headers.get("content-type", ""), body, settings.max_request_bytes
+                # Decoding a large batch takes a while: off the event loop, like the call, so /health still answers.
+                arguments = await run_in_threadpool(
+                    parse_arguments, op, request.headers.get("content-type", ""), body, settings.max_request_bytes
                 )
                 result = await run_in_threadpool(getattr(client, op), **arguments)
             except ArcticRLError as error:
@@ -232,7 +233,7 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
                 # The engines are stopped; the server exits once this answer is sent.
                 app.state.uvicorn_server.should_exit = True
             if operation.tensors_out:
-                return Response(encode_message(result), media_type=CONTENT_TYPE)
+                return Response(await run_in_threadpool(encode_message, result), media_type=CONTENT_TYPE)
             return _json_response(result)
 
         schema = operation.body.model_json_schema()
