@@ -1,7 +1,8 @@
 """The HTTP transport on a local Ray with the small fake engines (fake_engines.py): the server forwards to the same
 service as the Ray client and answers with the same results and exceptions; malformed requests of every endpoint get
 a 4xx and change nothing (hypothesis); a non-loopback server needs its bearer token; oversize bodies get 413; a
-launched server stops at shutdown, and a killed one gives the client a clear error."""
+launched server stops at shutdown, a killed one gives the client a clear error, and an engine killed under the server
+is named by a 503 and by /health."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from arctic_rl.errors import (  # noqa: E402
     ArcticRLError,
     BatchValidationError,
     ConfigError,
+    EngineError,
     EngineStateError,
     TransportError,
     WireFormatError,
@@ -411,3 +413,25 @@ def test_a_killed_server_gives_a_clear_error(ray_client: SyncArcticRLClient) -> 
             client.fwd_bwd(batch)
     finally:
         client.shutdown()
+
+
+def test_a_killed_engine_is_named_by_503_and_health_and_shutdown_leaves_nothing(ray_client: SyncArcticRLClient) -> None:
+    client = launched(free_port())
+    server = client._transport.server  # type: ignore[attr-defined]
+    url = client._transport.url  # type: ignore[attr-defined]
+    engines = client.describe()["engines"]
+    pids = [engine["pid"] for engine in engines.values()]
+    try:
+        os.kill(engines["training[0]"]["pid"], signal.SIGKILL)
+        with pytest.raises(EngineError, match=r"training\[0\].*died") as raised:
+            client.weight_norm()
+        assert raised.value.engine == "training[0]"
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "training[0]" in health.json()["engine_errors"]
+    finally:
+        client.shutdown()
+    assert server.process.poll() is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
+        time.sleep(0.5)
+    assert [pid for pid in pids if process_alive(pid)] == []
