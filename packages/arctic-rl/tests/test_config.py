@@ -134,6 +134,9 @@ def test_every_field_is_documented() -> None:
         ({"fca": {"min_group_size": 1}}, "min_group_size"),
         ({"sampling": {"gpu_memory_utilization": 1.5}}, "gpu_memory_utilization"),
         ({"comm_protocol": "grpc"}, "comm_protocol"),
+        ({"launch_local_server": True}, "needs comm_protocol='http'"),
+        ({"http": {"retries": -1}}, "retries"),
+        ({"http": {"request_timeout_s": 0}}, "request_timeout_s"),
     ],
 )
 def test_invalid_combinations_are_refused_with_a_fix(overrides: dict[str, Any], message: str) -> None:
@@ -149,6 +152,7 @@ def test_valid_layouts_are_accepted() -> None:
     make(ds_config={"zero_optimization": {"stage": 2, "overlap_comm": True}})
     make(device="cpu", sampling={"kv_cache_space_gib": 1})
     make(comm_protocol="http", port=8000)
+    make(comm_protocol="http", launch_local_server=True, token_file="/tmp/token", http={"max_request_mb": 16})
 
 
 def test_check_gpus_per_node_raises_config_error() -> None:

@@ -9,6 +9,8 @@ from arctic_rl.errors import (
     EngineError,
     EngineStateError,
     MissingDependencyError,
+    TransportError,
+    WireFormatError,
     import_optional,
 )
 
@@ -22,6 +24,8 @@ from arctic_rl.errors import (
         EngineStateError("sleeping", engine="sampling[1]"),
         EngineStateError("sleeping"),
         MissingDependencyError("vllm", "vllm", "by the sampling engine"),
+        WireFormatError("not a wire message"),
+        TransportError("server unreachable"),
     ],
 )
 def test_errors_pickle_unchanged_across_processes(error: ArcticRLError) -> None:

@@ -25,6 +25,7 @@ CORE_NAMES = {
     "EngineError",
     "EngineStateError",
     "FcaSection",
+    "HttpConfig",
     "LossFn",
     "LossInputs",
     "LossNeeds",
@@ -34,7 +35,9 @@ CORE_NAMES = {
     "SamplingConfig",
     "StepTimer",
     "TrainingConfig",
+    "TransportError",
     "WeightSyncConfig",
+    "WireFormatError",
     "ZorroTrainSection",
     "__version__",
     "build_grpo_batch",
@@ -47,7 +50,17 @@ CORE_NAMES = {
     "validate_batch",
 }
 # What only the extras (`arctic-rl[engines]`, `arctic-rl[vllm]`) install; `import arctic_rl` must not load them.
-HEAVY_MODULES = ["deepspeed", "vllm", "transformers", "arctic_zorro_train", "arctic_fca", "arctic_dedup", "triton"]
+HEAVY_MODULES = [
+    "deepspeed",
+    "vllm",
+    "transformers",
+    "arctic_zorro_train",
+    "arctic_fca",
+    "arctic_dedup",
+    "triton",
+    "fastapi",
+    "uvicorn",
+]
 
 
 def test_version_matches_the_package_metadata() -> None:
@@ -73,7 +86,8 @@ def _fresh_python(code: str, *paths: Path) -> str:
 
 def test_importing_the_client_loads_no_engine_dependency() -> None:
     code = (
-        "import json, sys; import arctic_rl, arctic_rl.config, arctic_rl.batch, arctic_rl.losses, arctic_rl.metrics;"
+        "import json, sys; import arctic_rl, arctic_rl.config, arctic_rl.batch, arctic_rl.losses, arctic_rl.metrics,"
+        " arctic_rl.wire, arctic_rl.http_api, arctic_rl.http_client;"
         f"print(json.dumps([m for m in {HEAVY_MODULES!r} if m in sys.modules]))"
     )
     assert json.loads(_fresh_python(code, PACKAGE / "src")) == []
@@ -84,8 +98,10 @@ def test_core_dependencies_are_the_thin_set() -> None:
     names = {requirement.split(">")[0].split("=")[0].split("<")[0] for requirement in project["dependencies"]}
     assert names == {"torch", "pydantic", "ray", "httpx", "safetensors", "tqdm", "numpy"}
     engines = " ".join(project["optional-dependencies"]["engines"])
-    for package in ("arctic-zorro-train[deepspeed]", "arctic-fca", "transformers"):
+    for package in ("arctic-zorro-train[deepspeed]", "arctic-fca", "transformers", "fastapi", "uvicorn"):
         assert package in engines
+    # The HTTP server is an entry point of the engines' side; the client needs only httpx.
+    assert tomllib.loads(PYPROJECT.read_text())["project"]["scripts"] == {"arctic-rl-serve": "arctic_rl.serve:main"}
     vllm = project["optional-dependencies"]["vllm"]
     assert any(item.startswith("arctic-rl[engines]") for item in vllm)
     assert any(item.startswith("arctic-fca[vllm]") for item in vllm)

@@ -103,11 +103,6 @@ def grpo_batch(prompts: list[list[int]], samples: list[list[dict[str, Any]]], re
     return build_grpo_batch(prompts, samples, rewards.tolist(), pad_token_id=0)
 
 
-def test_http_is_refused_at_creation_saying_it_is_the_next_issue() -> None:
-    with pytest.raises(ConfigError, match="next issue"):
-        create_arctic_rl_client(make_config(comm_protocol="http"))
-
-
 @pytest.mark.slow
 def test_grpo_steps_match_a_single_process_reference(local_ray: None, tmp_path: Path) -> None:
     from fake_engines import initial_weights, response_log_probs

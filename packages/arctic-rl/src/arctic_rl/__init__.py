@@ -10,6 +10,7 @@ from arctic_rl.client import ArcticRLClient, SyncArcticRLClient, attach_arctic_r
 from arctic_rl.config import (
     ArcticRLClientConfig,
     FcaSection,
+    HttpConfig,
     SamplingConfig,
     TrainingConfig,
     WeightSyncConfig,
@@ -22,6 +23,8 @@ from arctic_rl.errors import (
     EngineError,
     EngineStateError,
     MissingDependencyError,
+    TransportError,
+    WireFormatError,
 )
 from arctic_rl.losses import (
     LossFn,
@@ -48,6 +51,7 @@ __all__ = [
     "EngineError",
     "EngineStateError",
     "FcaSection",
+    "HttpConfig",
     "LossFn",
     "LossInputs",
     "LossNeeds",
@@ -58,7 +62,9 @@ __all__ = [
     "StepTimer",
     "SyncArcticRLClient",
     "TrainingConfig",
+    "TransportError",
     "WeightSyncConfig",
+    "WireFormatError",
     "ZorroTrainSection",
     "__version__",
     "attach_arctic_rl_client",

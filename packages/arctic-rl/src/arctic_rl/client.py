@@ -1,15 +1,17 @@
-"""The thin client: ``create_arctic_rl_client(config)`` and the async / blocking clients over the service actor.
+"""The thin client: ``create_arctic_rl_client(config)`` and the async / blocking clients, over Ray or HTTP.
 
-The client imports only Ray, torch and pydantic: DeepSpeed, vLLM and transformers live in the engines' processes, so
-an RL framework drives the engines from its own environment. Every operation is forwarded to the service
-(:mod:`arctic_rl.service`), which validates before it changes anything; errors come back as arctic-rl's own
-exceptions (``BatchValidationError``, ``EngineError`` naming the engine, ...).
+The client imports only Ray, torch, pydantic and httpx: DeepSpeed, vLLM and transformers live in the engines'
+processes, so an RL framework drives the engines from its own environment. Every operation is forwarded to the one
+service (:mod:`arctic_rl.service`), which validates before it changes anything: directly as a Ray actor call
+(``comm_protocol='ray'``), or through the HTTP server that hosts it (``comm_protocol='http'``,
+:mod:`arctic_rl.http_client`). Either way errors come back as arctic-rl's own exceptions (``BatchValidationError``,
+``EngineError`` naming the engine, ...), and the results have the same types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from arctic_rl.errors import ArcticRLError, ConfigError, EngineError
 
@@ -21,11 +23,27 @@ if TYPE_CHECKING:
 __all__ = ["ArcticRLClient", "SyncArcticRLClient", "attach_arctic_rl_client", "create_arctic_rl_client"]
 
 
+class Transport(Protocol):
+    """How a client reaches the service: one call per operation (keyword arguments), async and blocking."""
+
+    async def call(self, op: str, arguments: dict[str, Any]) -> Any: ...
+
+    def call_sync(self, op: str, arguments: dict[str, Any]) -> Any: ...
+
+    async def close(self) -> None: ...
+
+    def close_sync(self) -> None: ...
+
+
 def _raise_from_ray(error: BaseException) -> None:
     from ray.exceptions import RayActorError, RayTaskError
 
+    # Ray raises a service-side ArcticRLError as a class deriving from both it and RayTaskError, whose message is
+    # the remote traceback: re-raise the original exception (same type, fields and message).
     if isinstance(error, RayTaskError) and isinstance(error.cause, ArcticRLError):
         raise error.cause from None
+    if isinstance(error, ArcticRLError):
+        raise error
     if isinstance(error, RayActorError):
         raise EngineError(
             "service", f"the arctic-rl service actor died ({type(error).__name__}); create a new client."
@@ -33,24 +51,43 @@ def _raise_from_ray(error: BaseException) -> None:
     raise error
 
 
-class _ClientBase:
+class RayTransport:
+    """Calls on the service actor; ``owns_service``: shutdown stops the engines, ``owns_ray``: and Ray."""
+
     def __init__(self, service: Any, *, owns_service: bool, owns_ray: bool) -> None:
         self._service = service
         self._owns_service = owns_service
         self._owns_ray = owns_ray
-        self._closed = False
 
-    def _remote(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        if self._closed:
-            raise ArcticRLError("this client was shut down; create a new one with create_arctic_rl_client(config).")
-        return getattr(self._service, op).remote(*args, **kwargs)
+    async def call(self, op: str, arguments: dict[str, Any]) -> Any:
+        try:
+            return await getattr(self._service, op).remote(**arguments)
+        except Exception as error:
+            _raise_from_ray(error)
 
-    def _close(self) -> Any:
-        """Ask the service to stop its engines; returns the reference to wait on (or None)."""
-        if self._closed:
-            return None
-        self._closed = True
-        return self._service.shutdown.remote() if self._owns_service else None
+    def call_sync(self, op: str, arguments: dict[str, Any]) -> Any:
+        import ray
+
+        try:
+            return ray.get(getattr(self._service, op).remote(**arguments))
+        except Exception as error:
+            _raise_from_ray(error)
+
+    async def close(self) -> None:
+        try:
+            if self._owns_service:
+                await self._service.shutdown.remote()
+        finally:
+            self._release()
+
+    def close_sync(self) -> None:
+        import ray
+
+        try:
+            if self._owns_service:
+                ray.get(self._service.shutdown.remote())
+        finally:
+            self._release()
 
     def _release(self) -> None:
         import ray
@@ -61,29 +98,37 @@ class _ClientBase:
             ray.shutdown()
 
 
+class _ClientBase:
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ArcticRLError("this client was shut down; create a new one with create_arctic_rl_client(config).")
+
+
 class ArcticRLClient(_ClientBase):
     """Async client: every operation is a coroutine (``await client.generate(...)``); ``async with`` shuts down."""
 
-    async def _run(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await self._remote(op, *args, **kwargs)
-        except ArcticRLError:
-            raise
-        except Exception as error:
-            _raise_from_ray(error)
+    async def _run(self, op: str, **arguments: Any) -> Any:
+        self._check_open()
+        return await self._transport.call(op, arguments)
 
     async def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]
     ) -> list[list[dict[str, Any]]]:
-        return await self._run("generate", prompts, sampling_params)  # type: ignore[no-any-return]
+        return await self._run("generate", prompts=prompts, sampling_params=sampling_params)  # type: ignore[no-any-return]
 
     async def fwd_no_grad(
         self, batch: Mapping[str, Any], reference_model: bool = False, calculate_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
-        return await self._run("fwd_no_grad", batch, reference_model, calculate_entropy)  # type: ignore[no-any-return]
+        return await self._run(
+            "fwd_no_grad", batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
+        )  # type: ignore[no-any-return]
 
     async def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return await self._run("fwd_bwd", batch, processing)  # type: ignore[no-any-return]
+        return await self._run("fwd_bwd", batch=batch, processing=processing)  # type: ignore[no-any-return]
 
     async def step(self) -> dict[str, Any]:
         return await self._run("step")  # type: ignore[no-any-return]
@@ -92,13 +137,13 @@ class ArcticRLClient(_ClientBase):
         return await self._run("sync_weights")  # type: ignore[no-any-return]
 
     async def sleep_inference(self, level: int = 1) -> None:
-        await self._run("sleep_inference", level)
+        await self._run("sleep_inference", level=level)
 
     async def wake_inference(self, tags: Sequence[str] | None = None) -> None:
-        await self._run("wake_inference", tags)
+        await self._run("wake_inference", tags=tags)
 
     async def sleep_training(self, mode: str = "all") -> None:
-        await self._run("sleep_training", mode)
+        await self._run("sleep_training", mode=mode)
 
     async def wake_training(self) -> None:
         await self._run("wake_training")
@@ -118,16 +163,16 @@ class ArcticRLClient(_ClientBase):
     async def save_checkpoint(
         self, path: str | None = None, step: int | None = None, *, keep_last: int | None = None, hf_export: bool = False
     ) -> str:
-        return await self._run("save_checkpoint", path, step, keep_last=keep_last, hf_export=hf_export)  # type: ignore[no-any-return]
+        return await self._run("save_checkpoint", path=path, step=step, keep_last=keep_last, hf_export=hf_export)  # type: ignore[no-any-return]
 
     async def load_checkpoint(self, path: str | None = None, step: int | None = None) -> int:
-        return await self._run("load_checkpoint", path, step)  # type: ignore[no-any-return]
+        return await self._run("load_checkpoint", path=path, step=step)  # type: ignore[no-any-return]
 
     async def weight_norm(self) -> dict[str, float]:
         return await self._run("weight_norm")  # type: ignore[no-any-return]
 
     async def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
-        return await self._run("log_probs", prompts, completions)  # type: ignore[no-any-return]
+        return await self._run("log_probs", prompts=prompts, completions=completions)  # type: ignore[no-any-return]
 
     async def last_step_metrics(self) -> dict[str, float]:
         return await self._run("last_step_metrics")  # type: ignore[no-any-return]
@@ -136,13 +181,12 @@ class ArcticRLClient(_ClientBase):
         return await self._run("describe")  # type: ignore[no-any-return]
 
     async def shutdown(self) -> None:
-        """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it."""
-        reference = self._close()
-        try:
-            if reference is not None:
-                await reference
-        finally:
-            self._release()
+        """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it
+        (over HTTP: stop the server if the client launched it). A client that attached leaves the service up."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._transport.close()
 
     async def __aenter__(self) -> ArcticRLClient:
         return self
@@ -154,28 +198,24 @@ class ArcticRLClient(_ClientBase):
 class SyncArcticRLClient(_ClientBase):
     """Blocking client: the same operations as ``ArcticRLClient``, returning their results; ``with`` shuts down."""
 
-    def _run(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
-
-        try:
-            return ray.get(self._remote(op, *args, **kwargs))
-        except ArcticRLError:
-            raise
-        except Exception as error:
-            _raise_from_ray(error)
+    def _run(self, op: str, **arguments: Any) -> Any:
+        self._check_open()
+        return self._transport.call_sync(op, arguments)
 
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]
     ) -> list[list[dict[str, Any]]]:
-        return self._run("generate", prompts, sampling_params)  # type: ignore[no-any-return]
+        return self._run("generate", prompts=prompts, sampling_params=sampling_params)  # type: ignore[no-any-return]
 
     def fwd_no_grad(
         self, batch: Mapping[str, Any], reference_model: bool = False, calculate_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
-        return self._run("fwd_no_grad", batch, reference_model, calculate_entropy)  # type: ignore[no-any-return]
+        return self._run(
+            "fwd_no_grad", batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
+        )  # type: ignore[no-any-return]
 
     def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return self._run("fwd_bwd", batch, processing)  # type: ignore[no-any-return]
+        return self._run("fwd_bwd", batch=batch, processing=processing)  # type: ignore[no-any-return]
 
     def step(self) -> dict[str, Any]:
         return self._run("step")  # type: ignore[no-any-return]
@@ -184,13 +224,13 @@ class SyncArcticRLClient(_ClientBase):
         return self._run("sync_weights")  # type: ignore[no-any-return]
 
     def sleep_inference(self, level: int = 1) -> None:
-        self._run("sleep_inference", level)
+        self._run("sleep_inference", level=level)
 
     def wake_inference(self, tags: Sequence[str] | None = None) -> None:
-        self._run("wake_inference", tags)
+        self._run("wake_inference", tags=tags)
 
     def sleep_training(self, mode: str = "all") -> None:
-        self._run("sleep_training", mode)
+        self._run("sleep_training", mode=mode)
 
     def wake_training(self) -> None:
         self._run("wake_training")
@@ -210,16 +250,16 @@ class SyncArcticRLClient(_ClientBase):
     def save_checkpoint(
         self, path: str | None = None, step: int | None = None, *, keep_last: int | None = None, hf_export: bool = False
     ) -> str:
-        return self._run("save_checkpoint", path, step, keep_last=keep_last, hf_export=hf_export)  # type: ignore[no-any-return]
+        return self._run("save_checkpoint", path=path, step=step, keep_last=keep_last, hf_export=hf_export)  # type: ignore[no-any-return]
 
     def load_checkpoint(self, path: str | None = None, step: int | None = None) -> int:
-        return self._run("load_checkpoint", path, step)  # type: ignore[no-any-return]
+        return self._run("load_checkpoint", path=path, step=step)  # type: ignore[no-any-return]
 
     def weight_norm(self) -> dict[str, float]:
         return self._run("weight_norm")  # type: ignore[no-any-return]
 
     def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
-        return self._run("log_probs", prompts, completions)  # type: ignore[no-any-return]
+        return self._run("log_probs", prompts=prompts, completions=completions)  # type: ignore[no-any-return]
 
     def last_step_metrics(self) -> dict[str, float]:
         return self._run("last_step_metrics")  # type: ignore[no-any-return]
@@ -228,15 +268,12 @@ class SyncArcticRLClient(_ClientBase):
         return self._run("describe")  # type: ignore[no-any-return]
 
     def shutdown(self) -> None:
-        """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it."""
-        import ray
-
-        reference = self._close()
-        try:
-            if reference is not None:
-                ray.get(reference)
-        finally:
-            self._release()
+        """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it
+        (over HTTP: stop the server if the client launched it). A client that attached leaves the service up."""
+        if self._closed:
+            return
+        self._closed = True
+        self._transport.close_sync()
 
     def __enter__(self) -> SyncArcticRLClient:
         return self
@@ -263,7 +300,8 @@ def create_arctic_rl_client(
     engine_classes: Mapping[str, str] | None = None,
     placement_overrides: Mapping[str, Any] | None = None,
 ) -> ArcticRLClient | SyncArcticRLClient:
-    """Start (or attach to) Ray, place and start the engines, and return a client.
+    """Start (or attach to) Ray, place and start the engines, and return a client; with ``comm_protocol='http'``,
+    connect to the server at ``host:port`` instead (or launch it, ``launch_local_server=True``).
 
     ``blocking_calls=False`` gives the async ``ArcticRLClient``; ``True`` the blocking ``SyncArcticRLClient``.
     ``service_name`` names the service actor (another process attaches with ``attach_arctic_rl_client``);
@@ -275,10 +313,12 @@ def create_arctic_rl_client(
 
     if not isinstance(config, ArcticRLClientConfig):
         raise ConfigError(f"create_arctic_rl_client takes an ArcticRLClientConfig, got {type(config).__name__}.")
+    client_class = SyncArcticRLClient if blocking_calls else ArcticRLClient
     if config.comm_protocol == "http":
-        raise ConfigError(
-            "comm_protocol='http' is not available yet: the HTTP server and transport are the next issue. "
-            "Use comm_protocol='ray' (the default) for now."
+        from arctic_rl.http_client import connect_http
+
+        return client_class(
+            connect_http(config, engine_classes=engine_classes, placement_overrides=placement_overrides)
         )
     owns_ray = _connect_ray(config.ray_address)
     try:
@@ -291,8 +331,7 @@ def create_arctic_rl_client(
 
             ray.shutdown()
         raise
-    client_class = SyncArcticRLClient if blocking_calls else ArcticRLClient
-    return client_class(service, owns_service=True, owns_ray=owns_ray)
+    return client_class(RayTransport(service, owns_service=True, owns_ray=owns_ray))
 
 
 def attach_arctic_rl_client(
@@ -304,4 +343,4 @@ def attach_arctic_rl_client(
     owns_ray = _connect_ray(ray_address)
     service = attach_service(service_name)
     client_class = SyncArcticRLClient if blocking_calls else ArcticRLClient
-    return client_class(service, owns_service=False, owns_ray=owns_ray)
+    return client_class(RayTransport(service, owns_service=False, owns_ray=owns_ray))

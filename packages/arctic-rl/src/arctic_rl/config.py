@@ -19,6 +19,7 @@ from arctic_rl.errors import ConfigError
 __all__ = [
     "ArcticRLClientConfig",
     "FcaSection",
+    "HttpConfig",
     "SamplingConfig",
     "TrainingConfig",
     "WeightSyncConfig",
@@ -240,6 +241,39 @@ class WeightSyncConfig(_Section):
     )
 
 
+class HttpConfig(_Section):
+    """The HTTP transport (``comm_protocol='http'``): timeouts, retries and the request-size limit."""
+
+    connect_timeout_s: float = Field(default=10.0, gt=0.0, description="Seconds to open a connection to the server.")
+    request_timeout_s: float = Field(
+        default=3600.0,
+        gt=0.0,
+        description="Seconds one operation may take, from sending the request to the last byte of the answer "
+        "(a step on a large model takes minutes).",
+    )
+    retries: int = Field(
+        default=3,
+        ge=0,
+        description="Retries of an idempotent operation (weight_norm, describe, fwd_no_grad, log_probs, ...) after a "
+        "connection failure or a timeout; an operation that changes state is never retried.",
+    )
+    backoff_s: float = Field(
+        default=0.5, ge=0.0, description="Wait before the first retry; doubled before each further one."
+    )
+    max_request_mb: int = Field(
+        default=2048,
+        ge=1,
+        description="Largest request or response body in MiB; the server refuses larger requests with 413 (its "
+        "own --max-request-mb) and the client refuses to send or read larger ones.",
+    )
+    server_start_timeout_s: float = Field(
+        default=900.0,
+        gt=0.0,
+        description="With launch_local_server: seconds to wait for the server's engines to start and /health to "
+        "answer.",
+    )
+
+
 class ArcticRLClientConfig(BaseModel):
     """Everything an arctic-rl client needs: model, GPU counts, placement, and the engines' sections.
 
@@ -298,6 +332,17 @@ class ArcticRLClientConfig(BaseModel):
     )
     host: str = Field(default="127.0.0.1", min_length=1, description="Host of the HTTP server (comm_protocol='http').")
     port: int = Field(default=7000, ge=1, le=65535, description="Port of the HTTP server (comm_protocol='http').")
+    launch_local_server: bool = Field(
+        default=False,
+        description="comm_protocol='http': start `arctic-rl-serve` with this config as a subprocess on host:port, "
+        "wait for /health, and stop it at shutdown(); False: connect to a server that is already running.",
+    )
+    token_file: str | None = Field(
+        default=None,
+        description="File holding the bearer token the HTTP server requires (needed when it binds to an address "
+        "other than loopback); the client sends it, and a launched local server checks it.",
+    )
+    http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP timeouts, retries and size limit.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimizer and micro-batching.")
     zorro_train: ZorroTrainSection = Field(default_factory=ZorroTrainSection, description="Deduplicated training.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="The vLLM sampling engines.")
@@ -323,7 +368,15 @@ class ArcticRLClientConfig(BaseModel):
         self._check_devices()
         self._check_log_prob_engine()
         self._check_ds_config_stage()
+        self._check_http()
         return self
+
+    def _check_http(self) -> None:
+        if self.launch_local_server and self.comm_protocol != "http":
+            raise ValueError(
+                "launch_local_server=True starts an HTTP server, which needs comm_protocol='http'; set "
+                "comm_protocol='http', or launch_local_server=False for the Ray transport."
+            )
 
     def _check_tensor_parallel(self) -> None:
         tp = self.sampling.tensor_parallel_size

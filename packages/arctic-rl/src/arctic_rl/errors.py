@@ -16,6 +16,8 @@ __all__ = [
     "EngineError",
     "EngineStateError",
     "MissingDependencyError",
+    "TransportError",
+    "WireFormatError",
     "import_optional",
 ]
 
@@ -78,6 +80,14 @@ class EngineStateError(ArcticRLError, RuntimeError):
 
 def _rebuild_engine_state_error(cls: type[EngineStateError], message: str, engine: str | None) -> EngineStateError:
     return cls(message, engine=engine)
+
+
+class WireFormatError(ArcticRLError, ValueError):
+    """Bytes that are not an arctic-rl wire message, or a value the wire format cannot carry (``arctic_rl.wire``)."""
+
+
+class TransportError(ArcticRLError, ConnectionError):
+    """The HTTP server could not be reached or stopped answering; the message names its address and what to check."""
 
 
 class MissingDependencyError(ArcticRLError, ImportError):

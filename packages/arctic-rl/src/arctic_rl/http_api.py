@@ -1,0 +1,183 @@
+"""The HTTP API shared by the server and the client: the operations (their request bodies, HTTP methods and
+whether they may be retried), how an arctic-rl error maps to a status and a JSON body, and how a request body
+(JSON, or the wire format of :mod:`arctic_rl.wire`) becomes an operation's keyword arguments. Needs only pydantic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+
+from arctic_rl.errors import (
+    ArcticRLError,
+    BatchValidationError,
+    ConfigError,
+    EngineError,
+    EngineStateError,
+    MissingDependencyError,
+    WireFormatError,
+)
+from arctic_rl.wire import CONTENT_TYPE, decode_message
+
+__all__ = ["API_PREFIX", "OPERATIONS", "Operation", "error_body", "parse_arguments", "read_token"]
+
+API_PREFIX = "/v1"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+
+class NoArguments(_Body):
+    """An operation without arguments: an empty body or ``{}``."""
+
+
+class GenerateBody(_Body):
+    prompts: list[str] | list[list[int]] = Field(min_length=1, description="Texts, or token-id lists.")
+    sampling_params: dict[str, Any] = Field(description="vLLM SamplingParams field names (n, max_tokens, ...).")
+
+
+class FwdNoGradBody(_Body):
+    batch: dict[str, Any] = Field(description="The padded batch (wire format); see arctic_rl.batch.")
+    reference_model: StrictBool = False
+    calculate_entropy: StrictBool = False
+
+
+class FwdBwdBody(_Body):
+    batch: dict[str, Any] = Field(description="The padded training batch (wire format); see arctic_rl.batch.")
+    processing: dict[str, Any] | None = Field(
+        default=None, description="{'loss_fn': <registered loss name>, 'config': {...}}; None: grpo defaults."
+    )
+
+
+class SleepInferenceBody(_Body):
+    level: Literal[1, 2] = 1
+
+
+class WakeInferenceBody(_Body):
+    tags: list[str] | None = None
+
+
+class SleepTrainingBody(_Body):
+    mode: Literal["all", "weights", "optimizer"] = "all"
+
+
+class SaveCheckpointBody(_Body):
+    path: str | None = Field(default=None, min_length=1, description="A directory on the server; None: config's.")
+    step: int | None = Field(default=None, ge=0)
+    keep_last: int | None = Field(default=None, ge=1)
+    hf_export: StrictBool = False
+
+
+class LoadCheckpointBody(_Body):
+    path: str | None = Field(default=None, min_length=1, description="A directory on the server; None: config's.")
+    step: int | None = Field(default=None, ge=0)
+
+
+class LogProbsBody(_Body):
+    prompts: list[str]
+    completions: list[str]
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One client operation as an endpoint: its body model, whether it changes state, and its answer's encoding."""
+
+    body: type[_Body]
+    method: Literal["GET", "POST"] = "POST"
+    idempotent: bool = False
+    tensors_out: bool = False
+
+
+OPERATIONS: dict[str, Operation] = {
+    "generate": Operation(GenerateBody),
+    "fwd_no_grad": Operation(FwdNoGradBody, idempotent=True, tensors_out=True),
+    "fwd_bwd": Operation(FwdBwdBody),
+    "step": Operation(NoArguments),
+    "sync_weights": Operation(NoArguments),
+    "sleep_inference": Operation(SleepInferenceBody),
+    "wake_inference": Operation(WakeInferenceBody),
+    "sleep_training": Operation(SleepTrainingBody),
+    "wake_training": Operation(NoArguments),
+    "sleep_log_prob": Operation(NoArguments),
+    "wake_log_prob": Operation(NoArguments),
+    "empty_training_cache": Operation(NoArguments, idempotent=True),
+    "reset_prefix_cache": Operation(NoArguments, idempotent=True),
+    "save_checkpoint": Operation(SaveCheckpointBody),
+    "load_checkpoint": Operation(LoadCheckpointBody),
+    "weight_norm": Operation(NoArguments, method="GET", idempotent=True),
+    "log_probs": Operation(LogProbsBody, idempotent=True),
+    "last_step_metrics": Operation(NoArguments, method="GET", idempotent=True),
+    "describe": Operation(NoArguments, method="GET", idempotent=True),
+    "shutdown": Operation(NoArguments),
+}
+
+
+def read_token(path: str | Path) -> str:
+    """The bearer token in ``path`` (surrounding whitespace dropped); refuses a missing or empty file."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise ConfigError(f"cannot read the token file {str(path)!r}: {error.strerror}; check the path.") from None
+    if not token:
+        raise ConfigError(f"the token file {str(path)!r} is empty; write a long random string to it.")
+    return token
+
+
+_STATUS: tuple[tuple[type[ArcticRLError], int], ...] = (
+    (BatchValidationError, 422),
+    (ConfigError, 422),
+    (EngineStateError, 409),
+    (EngineError, 503),
+    (WireFormatError, 400),
+    (MissingDependencyError, 501),
+)
+
+
+def error_body(error: ArcticRLError) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of an arctic-rl error (the client rebuilds the same exception from it)."""
+    status = next((code for kind, code in _STATUS if isinstance(error, kind)), 400)
+    body: dict[str, Any] = {"error": type(error).__name__, "message": str(error)}
+    if isinstance(error, BatchValidationError):
+        body.update(key=error.key, detail=error.message)
+    elif isinstance(error, (EngineError, EngineStateError)):
+        body.update(engine=error.engine, detail=error.message)
+    elif isinstance(error, MissingDependencyError):
+        body.update(package=error.package, extra=error.extra, purpose=error.purpose)
+    return status, body
+
+
+def _validation_message(error: ValidationError, op: str) -> str:
+    problems = []
+    for item in error.errors()[:10]:
+        where = ".".join(str(part) for part in item["loc"]) or "<body>"
+        problems.append(f"{where}: {item['msg']}")
+    fields = ", ".join(OPERATIONS[op].body.model_fields) or "none (send {} or an empty body)"
+    return f"{op}: the request body is not valid ({'; '.join(problems)}); its fields are: {fields}."
+
+
+def parse_arguments(op: str, content_type: str, body: bytes, limit: int) -> dict[str, Any]:
+    if content_type.split(";")[0].strip() == CONTENT_TYPE:
+        message = decode_message(body, max_bytes=limit)
+    elif not body.strip():
+        message = {}
+    else:
+        try:
+            message = json.loads(body)
+        except (ValueError, RecursionError):
+            raise WireFormatError(
+                f"{op}: the body is neither JSON nor the arctic-rl wire format ({CONTENT_TYPE}); send a JSON object."
+            ) from None
+    if not isinstance(message, dict):
+        raise ConfigError(
+            f"{op}: the body must be a JSON object of the operation's fields, got {type(message).__name__}."
+        )
+    try:
+        parsed = OPERATIONS[op].body.model_validate(message)
+    except ValidationError as error:
+        raise ConfigError(_validation_message(error, op)) from None
+    return {name: getattr(parsed, name) for name in type(parsed).model_fields}

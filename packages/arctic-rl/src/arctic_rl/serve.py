@@ -1,0 +1,388 @@
+"""The HTTP server: ``python -m arctic_rl.serve`` (or ``arctic-rl-serve``) hosts the engines behind one endpoint per
+client operation.
+
+The server starts the same service as the Ray transport (:func:`arctic_rl.service.start_service`, through a blocking
+Ray client) and forwards each request to it, so every operation has one implementation and the same validation:
+a refused request leaves every engine as it was. Requests and answers are JSON, except batches and the tensors of
+``fwd_no_grad``'s answer, which travel in the wire format of :mod:`arctic_rl.wire` (safetensors, never pickle).
+
+Security: the server binds to 127.0.0.1 by default; any other address needs a bearer token (``--token-file``), which
+every request must then carry (``Authorization: Bearer <token>``, compared in constant time; 401 otherwise). No
+endpoint runs code or imports modules the request names: a loss is chosen by its registered name.
+
+Errors: a request the service refuses gets a 4xx whose JSON body names the error type and says what to fix
+(``BatchValidationError`` and ``ConfigError`` 422, ``EngineStateError`` 409, a malformed body 400, an oversize body
+413); an engine that died gets 503 naming it, and ``/health`` reports it from then on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import json
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from arctic_rl.errors import ArcticRLError, ConfigError, EngineError, import_optional
+from arctic_rl.http_api import API_PREFIX, OPERATIONS, Operation, error_body, parse_arguments, read_token
+from arctic_rl.wire import CONTENT_TYPE, encode_message
+
+import_optional("fastapi", extra="engines", purpose="by the arctic-rl HTTP server (arctic-rl-serve)")
+
+from fastapi import FastAPI, Request, Response  # noqa: E402
+from starlette.concurrency import run_in_threadpool  # noqa: E402
+from starlette.responses import JSONResponse  # noqa: E402
+
+if TYPE_CHECKING:
+    from arctic_rl.client import SyncArcticRLClient
+    from arctic_rl.config import ArcticRLClientConfig
+
+__all__ = ["ServerSettings", "create_app", "is_loopback", "main", "serve"]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where the server listens, its token (None: no token, loopback only) and its request-size limit."""
+
+    host: str = "127.0.0.1"
+    port: int = 7000
+    token: str | None = None
+    max_request_bytes: int = 2048 * 1024**2
+
+    def __post_init__(self) -> None:
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("the bearer token is empty; write a long random string to the token file.")
+        if self.token is None and not is_loopback(self.host):
+            raise ConfigError(
+                f"binding to {self.host!r} exposes the engines beyond this machine, which needs a bearer token: pass "
+                "--token-file FILE (a long random string, e.g. `python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))' > FILE`), or bind to 127.0.0.1."
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (only this machine can connect)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class _Activity:
+    """What the server is doing (for ``/v1/status``) and the engines it saw die (for ``/health``)."""
+
+    started: float = field(default_factory=time.time)
+    running: dict[int, tuple[str, float]] = field(default_factory=dict)
+    completed: int = 0
+    refused: int = 0
+    failed: int = 0
+    dead_engines: dict[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    next_id: int = 0
+
+    def begin(self, op: str) -> int:
+        with self.lock:
+            self.next_id += 1
+            self.running[self.next_id] = (op, time.time())
+            return self.next_id
+
+    def end(self, job: int, error: BaseException | None) -> None:
+        with self.lock:
+            self.running.pop(job, None)
+            if error is None:
+                self.completed += 1
+            elif isinstance(error, EngineError):
+                self.failed += 1
+                # The service words every lost actor so ("its actor process died", "the service actor died"); an
+                # engine that raised on one call is still alive.
+                if "died" in error.message:
+                    self.dead_engines[error.engine] = error.message
+            elif isinstance(error, ArcticRLError):
+                self.refused += 1
+            else:
+                self.failed += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            now = time.time()
+            return {
+                "uptime_s": now - self.started,
+                "running": [
+                    {"job": job, "operation": op, "running_s": now - since}
+                    for job, (op, since) in sorted(self.running.items())
+                ],
+                "completed": self.completed,
+                "refused": self.refused,
+                "failed": self.failed,
+                "engine_errors": dict(self.dead_engines),
+            }
+
+
+class _BearerToken:
+    """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <token>`` (constant-time compare)."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            supplied = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    supplied = value
+            if not hmac.compare_digest(supplied, self.expected):
+                response = JSONResponse(
+                    {
+                        "error": "Unauthorized",
+                        "message": "this server needs a bearer token: send 'Authorization: Bearer <token>' with the "
+                        "token of its --token-file (client: set token_file in the config).",
+                    },
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _json_response(content: Any, status_code: int = 200) -> Response:
+    # Python's JSON (NaN and Infinity allowed): a metric may legitimately be NaN, and the client parses it back.
+    return Response(json.dumps(content, allow_nan=True), status_code=status_code, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge(int(declared), limit)
+    chunks: list[bytes] = []
+    received = 0
+    # Streamed with a running count, so a chunked body without Content-Length cannot exceed the limit either.
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise _TooLarge(received, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(size, limit)
+        self.size = size
+        self.limit = limit
+
+
+def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
+    """The FastAPI application over a blocking client of the service (Ray transport); see the module doc."""
+    from arctic_rl import __version__
+    from arctic_rl.client import SyncArcticRLClient
+
+    app = FastAPI(
+        title="arctic-rl",
+        version=__version__,
+        description="The arctic-rl engines over HTTP: one endpoint per client operation. Batches and tensor answers "
+        f"use the wire format {CONTENT_TYPE} (safetensors); everything else is JSON.",
+    )
+    activity = _Activity()
+    app.state.activity = activity
+    app.state.client = client
+    app.state.uvicorn_server = None
+
+    def add_operation(op: str, operation: Operation) -> None:
+        async def endpoint(request: Request) -> Response:
+            try:
+                body = await _read_body(request, settings.max_request_bytes)
+            except _TooLarge as error:
+                return _json_response(
+                    {
+                        "error": "WireFormatError",
+                        "message": f"{op}: the request has at least {error.size} bytes, more than this server's limit "
+                        f"of {error.limit}; split the batch, or restart the server with a larger --max-request-mb.",
+                    },
+                    413,
+                )
+            job = activity.begin(op)
+            try:
+                # Decoding a large batch takes a while: off the event loop, like the call, so /health still answers.
+                arguments = await run_in_threadpool(
+                    parse_arguments, op, request.headers.get("content-type", ""), body, settings.max_request_bytes
+                )
+                result = await run_in_threadpool(getattr(client, op), **arguments)
+            except ArcticRLError as error:
+                activity.end(job, error)
+                status, content = error_body(error)
+                return _json_response(content, status)
+            except Exception as error:
+                activity.end(job, error)
+                return _json_response(
+                    {"error": type(error).__name__, "message": f"{op}: unexpected server error: {error}"}, 500
+                )
+            activity.end(job, None)
+            if op == "shutdown" and app.state.uvicorn_server is not None:
+                # The engines are stopped; the server exits once this answer is sent.
+                app.state.uvicorn_server.should_exit = True
+            if operation.tensors_out:
+                return Response(await run_in_threadpool(encode_message, result), media_type=CONTENT_TYPE)
+            return _json_response(result)
+
+        schema = operation.body.model_json_schema()
+        extra = None
+        if operation.method == "POST":
+            content: dict[str, Any] = {"application/json": {"schema": schema}}
+            if op in ("fwd_no_grad", "fwd_bwd"):
+                content = {CONTENT_TYPE: {"schema": schema}}
+            extra = {"requestBody": {"content": content, "required": False}}
+        app.add_api_route(
+            f"{API_PREFIX}/{op}",
+            endpoint,
+            methods=[operation.method],
+            name=op,
+            summary=op,
+            description=(getattr(SyncArcticRLClient, op).__doc__ or f"The client's {op}().").strip(),
+            openapi_extra=extra,
+        )
+
+    for op, operation in OPERATIONS.items():
+        add_operation(op, operation)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while every engine answers; 503 naming the engines the server saw die."""
+        snapshot = activity.snapshot()
+        dead = snapshot["engine_errors"]
+        content = {"status": "failed" if dead else "ok", "engine_errors": dead, "busy": bool(snapshot["running"])}
+        return _json_response(content, 503 if dead else 200)
+
+    @app.get(f"{API_PREFIX}/status")
+    async def status() -> Response:
+        """The jobs (requests) running now and how many were completed, refused (4xx) or failed (5xx)."""
+        return _json_response(activity.snapshot())
+
+    if settings.token is not None:
+        app.add_middleware(_BearerToken, token=settings.token)
+    return app
+
+
+def serve(
+    config: ArcticRLClientConfig,
+    settings: ServerSettings,
+    *,
+    engine_classes: Mapping[str, str] | None = None,
+    placement_overrides: Mapping[str, Any] | None = None,
+) -> None:
+    """Start the engines (Ray transport, same placement as a Ray client), then serve HTTP until stopped; the engines
+    stop with the server. ``engine_classes`` and ``placement_overrides`` as in ``create_arctic_rl_client``."""
+    uvicorn = import_optional("uvicorn", extra="engines", purpose="by the arctic-rl HTTP server")
+
+    from arctic_rl.client import SyncArcticRLClient, create_arctic_rl_client
+
+    engine_config = config.model_copy(update={"comm_protocol": "ray", "launch_local_server": False})
+    client = create_arctic_rl_client(
+        engine_config, blocking_calls=True, engine_classes=engine_classes, placement_overrides=placement_overrides
+    )
+    assert isinstance(client, SyncArcticRLClient)
+    try:
+        app = create_app(client, settings)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+        )
+        app.state.uvicorn_server = server
+        server.run()
+    finally:
+        client.shutdown()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="arctic-rl-serve", description="Serve the arctic-rl engines over HTTP (one endpoint per operation)."
+    )
+    parser.add_argument("--config", help="JSON file of an ArcticRLClientConfig; the flags below override it.")
+    parser.add_argument("--model", help="Model name or directory (the config's model_name).")
+    parser.add_argument("--training-gpus", type=int)
+    parser.add_argument("--sampling-gpus", type=int)
+    parser.add_argument("--log-prob-gpus", type=int)
+    parser.add_argument("--colocate", action="store_true", default=None)
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1, this machine only).")
+    parser.add_argument("--port", type=int, default=7000)
+    parser.add_argument("--token-file", help="File holding the bearer token (required for non-loopback --host).")
+    parser.add_argument("--max-request-mb", type=int, default=2048, help="Largest request body in MiB (413 above).")
+    parser.add_argument(
+        "--engine-class",
+        action="append",
+        default=[],
+        metavar="ROLE=MODULE:CLASS",
+        help="Replace a role's engine class (for tests and unusual clusters; set by the operator, never by a request).",
+    )
+    parser.add_argument(
+        "--placement-override", action="append", default=[], metavar="FIELD=JSON", help="A PlacementRequest field."
+    )
+    return parser
+
+
+def _pairs(items: Sequence[str], flag: str, *, as_json: bool) -> dict[str, Any]:
+    pairs: dict[str, Any] = {}
+    for item in items:
+        name, separator, value = item.partition("=")
+        if not separator or not name:
+            raise ConfigError(f"{flag} takes NAME=VALUE, got {item!r}.")
+        pairs[name] = json.loads(value) if as_json else value
+    return pairs
+
+
+def config_from_arguments(arguments: argparse.Namespace) -> ArcticRLClientConfig:
+    """The engines' config: ``--config``'s file, with the flags given on top."""
+    from arctic_rl.config import ArcticRLClientConfig
+
+    fields: dict[str, Any] = {}
+    if arguments.config:
+        fields = json.loads(Path(arguments.config).read_text())
+    overrides = {
+        "model_name": arguments.model,
+        "training_gpus": arguments.training_gpus,
+        "sampling_gpus": arguments.sampling_gpus,
+        "log_prob_gpus": arguments.log_prob_gpus,
+        "colocate": arguments.colocate,
+        "device": arguments.device,
+    }
+    fields.update({name: value for name, value in overrides.items() if value is not None})
+    if "model_name" not in fields:
+        raise ConfigError("arctic-rl-serve needs a model: pass --model NAME_OR_DIR or --config FILE.")
+    return ArcticRLClientConfig.model_validate(fields)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``arctic-rl-serve``: parse the flags, start the engines and serve until SIGINT / SIGTERM or /v1/shutdown."""
+    parser = _parser()
+    arguments = parser.parse_args(argv)
+    try:
+        config = config_from_arguments(arguments)
+        settings = ServerSettings(
+            host=arguments.host,
+            port=arguments.port,
+            token=None if arguments.token_file is None else read_token(arguments.token_file),
+            max_request_bytes=arguments.max_request_mb * 1024**2,
+        )
+    except (ArcticRLError, ValidationError, OSError, ValueError) as error:
+        parser.exit(2, f"arctic-rl-serve: {error}\n")
+    serve(
+        config,
+        settings,
+        engine_classes=_pairs(arguments.engine_class, "--engine-class", as_json=False) or None,
+        placement_overrides=_pairs(arguments.placement_override, "--placement-override", as_json=True) or None,
+    )
+
+
+if __name__ == "__main__":
+    main()

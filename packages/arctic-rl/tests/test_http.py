@@ -1,0 +1,437 @@
+"""The HTTP transport on a local Ray with the small fake engines (fake_engines.py): the server forwards to the same
+service as the Ray client and answers with the same results and exceptions; malformed requests of every endpoint get
+a 4xx and change nothing (hypothesis); a non-loopback server needs its bearer token; oversize bodies get 413; a
+launched server stops at shutdown, a killed one gives the client a clear error, and an engine killed under the server
+is named by a 503 and by /health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from ray_helpers import retry_start  # noqa: E402
+
+from arctic_rl.batch import build_grpo_batch  # noqa: E402
+from arctic_rl.client import ArcticRLClient, SyncArcticRLClient, create_arctic_rl_client  # noqa: E402
+from arctic_rl.config import ArcticRLClientConfig  # noqa: E402
+from arctic_rl.errors import (  # noqa: E402
+    ArcticRLError,
+    BatchValidationError,
+    ConfigError,
+    EngineError,
+    EngineStateError,
+    TransportError,
+    WireFormatError,
+)
+from arctic_rl.http_api import OPERATIONS, parse_arguments  # noqa: E402
+from arctic_rl.serve import ServerSettings, create_app  # noqa: E402
+from arctic_rl.wire import CONTENT_TYPE, encode_message  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).resolve().parent
+FAKES = {
+    "training": "fake_engines:FakeTrainingEngine",
+    "log_prob": "fake_engines:FakeTrainingEngine",
+    "sampling": "fake_engines:FakeSamplingEngine",
+}
+CPU_SLOTS = {"cpus_per_cpu_worker": 0.25}
+PROMPTS = [[1, 2, 3], [4, 5]]
+MAX_REQUEST_BYTES = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def http_config(port: int, **overrides: Any) -> ArcticRLClientConfig:
+    fields: dict[str, Any] = {
+        "model_name": "fake-bigram",
+        "device": "cpu",
+        "training_gpus": 1,
+        "sampling_gpus": 1,
+        "training": {"lr": 0.5},
+        "comm_protocol": "http",
+        "port": port,
+        "http": {"retries": 2, "backoff_s": 0.05, "connect_timeout_s": 2.0, "request_timeout_s": 120.0},
+    }
+    fields.update(overrides)
+    return ArcticRLClientConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    # Engine actors and launched servers import fake_engines from this folder: both inherit PYTHONPATH.
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), previous]))
+    retry_start(lambda: ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="arctic_rl_http"))
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if previous is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = previous
+
+
+@pytest.fixture(scope="module")
+def ray_client(local_ray: None) -> Iterator[SyncArcticRLClient]:
+    config = http_config(7000, comm_protocol="ray")
+    client = create_arctic_rl_client(
+        config, blocking_calls=True, engine_classes=FAKES, placement_overrides=CPU_SLOTS, service_name="http_tests"
+    )
+    assert isinstance(client, SyncArcticRLClient)
+    try:
+        yield client
+    finally:
+        client.shutdown()
+
+
+class ServerThread:
+    """A uvicorn server for ``app`` on a free loopback port, in a thread of this process."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.server.started
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(ray_client: SyncArcticRLClient) -> Iterator[ServerThread]:
+    running = ServerThread(create_app(ray_client, ServerSettings(max_request_bytes=MAX_REQUEST_BYTES)))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def http_client(server: ServerThread) -> Iterator[SyncArcticRLClient]:
+    client = create_arctic_rl_client(http_config(server.port), blocking_calls=True)
+    assert isinstance(client, SyncArcticRLClient)
+    try:
+        yield client
+    finally:
+        client.shutdown()
+
+
+def make_batch(client: SyncArcticRLClient) -> dict[str, torch.Tensor]:
+    samples = client.generate(PROMPTS, {"n": 2, "max_tokens": 3, "seed": 1})
+    rewards = torch.rand(len(PROMPTS), 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return build_grpo_batch(PROMPTS, samples, rewards.tolist(), pad_token_id=0)
+
+
+def assert_same(left: Any, right: Any) -> None:
+    assert type(left) is type(right), (type(left), type(right))
+    if isinstance(left, torch.Tensor):
+        assert left.dtype == right.dtype and torch.equal(left, right)
+    elif isinstance(left, dict):
+        assert sorted(left) == sorted(right)
+        for key in left:
+            assert_same(left[key], right[key])
+    elif isinstance(left, list):
+        assert len(left) == len(right)
+        for a, b in zip(left, right, strict=True):
+            assert_same(a, b)
+    else:
+        assert left == right
+
+
+def test_http_answers_equal_ray_answers(ray_client: SyncArcticRLClient, http_client: SyncArcticRLClient) -> None:
+    sampling = {"n": 2, "max_tokens": 3, "seed": 4}
+    assert_same(http_client.generate(PROMPTS, sampling), ray_client.generate(PROMPTS, sampling))
+    batch = make_batch(http_client)
+    assert_same(http_client.fwd_no_grad(batch, calculate_entropy=True), ray_client.fwd_no_grad(batch, False, True))
+    assert_same(http_client.weight_norm(), ray_client.weight_norm())
+    assert_same(http_client.describe(), ray_client.describe())
+    before = ray_client.describe()["step"]
+    result = http_client.fwd_bwd(batch, {"loss_fn": "grpo", "config": {}})
+    assert isinstance(result["loss"], float) and isinstance(result["metrics"], dict)
+    stepped = http_client.step()
+    assert stepped["step"] == before + 1 == ray_client.describe()["step"]
+    assert_same(http_client.last_step_metrics(), ray_client.last_step_metrics())
+    assert http_client.sync_weights()["time_s"] >= 0
+    norms = http_client.weight_norm()
+    assert norms == ray_client.weight_norm() and norms["sampling_norm"] == pytest.approx(norms["training_norm"])
+    assert http_client.empty_training_cache() is None and http_client.reset_prefix_cache() is None
+
+
+def test_the_async_client_gives_the_same_answers(ray_client: SyncArcticRLClient, server: ServerThread) -> None:
+    batch = make_batch(ray_client)
+    client = create_arctic_rl_client(http_config(server.port))
+    assert isinstance(client, ArcticRLClient)
+
+    async def run() -> tuple[Any, Any]:
+        async with client:
+            return await client.weight_norm(), await client.fwd_no_grad(batch)
+
+    norms, scored = asyncio.run(run())
+    assert norms == ray_client.weight_norm()
+    assert_same(scored, ray_client.fwd_no_grad(batch))
+
+
+def test_refusals_are_the_same_exceptions_and_change_nothing(
+    ray_client: SyncArcticRLClient, http_client: SyncArcticRLClient
+) -> None:
+    batch = make_batch(http_client)
+    before, step = http_client.weight_norm(), http_client.describe()["step"]
+    bad = dict(batch, advantages=batch["advantages"].clone())
+    bad["advantages"][0, 0] = float("nan")
+    with pytest.raises(BatchValidationError) as over_http:
+        http_client.fwd_bwd(bad)
+    with pytest.raises(BatchValidationError) as over_ray:
+        ray_client.fwd_bwd(bad)
+    assert (over_http.value.key, str(over_http.value)) == (over_ray.value.key, str(over_ray.value))
+    with pytest.raises(ConfigError, match="no loss named"):
+        http_client.fwd_bwd(batch, {"loss_fn": "no-such-loss"})
+    http_client.sleep_training()
+    try:
+        with pytest.raises(EngineStateError, match="wake_training") as asleep:
+            http_client.fwd_bwd(batch)
+        assert asleep.value.engine == "training"
+    finally:
+        http_client.wake_training()
+    with pytest.raises(ConfigError, match="level"):
+        http_client.sleep_inference(3)
+    assert http_client.weight_norm() == before and http_client.describe()["step"] == step
+
+
+def valid_arguments(op: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {
+        "generate": {"prompts": PROMPTS, "sampling_params": {"n": 1}},
+        "fwd_no_grad": {"batch": batch},
+        "fwd_bwd": {"batch": batch},
+        "log_probs": {"prompts": ["a"], "completions": ["b"]},
+    }.get(op, {})
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=8,
+)
+BATCH_MUTATIONS = ["drop", "dtype", "shape", "nan", "mask", "unknown_key", "not_a_tensor", "out_of_vocab"]
+
+
+def mutate(batch: dict[str, torch.Tensor], mutation: str, key: str) -> dict[str, Any]:
+    bad: dict[str, Any] = {name: value.clone() for name, value in batch.items()}
+    if mutation == "drop":
+        bad.pop(key)
+    elif mutation == "dtype":
+        # Float fields as integers, token ids and masks as floats with a fractional part: both refused.
+        bad[key] = bad[key].long() if bad[key].dtype.is_floating_point else bad[key].float() + 0.5
+    elif mutation == "shape":
+        bad[key] = bad[key][:, :-1]
+    elif mutation == "nan":
+        bad[key] = bad[key].double()
+        bad[key][0, 0] = float("nan")
+    elif mutation == "mask":
+        bad["attention_mask"][0, 0] = 7
+    elif mutation == "unknown_key":
+        bad["advantage"] = bad[key]
+    elif mutation == "not_a_tensor":
+        bad[key] = "tensor"
+    elif mutation == "out_of_vocab":
+        bad["responses"][0, 0] = 10_000
+    return bad
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_malformed_requests_to_every_endpoint_get_a_4xx_and_change_nothing(
+    data: st.DataObject, ray_client: SyncArcticRLClient, server: ServerThread
+) -> None:
+    op = data.draw(st.sampled_from(sorted(OPERATIONS)))
+    operation = OPERATIONS[op]
+    url = f"http://127.0.0.1:{server.port}/v1/{op}"
+    before, step = ray_client.weight_norm(), ray_client.describe()["step"]
+    kind = data.draw(st.sampled_from(["json", "bytes", "wire", "batch"]))
+    headers = {"Content-Type": "application/json"}
+    if kind == "json" or operation.method == "GET":
+        payload = data.draw(json_values)
+        body = json.dumps(payload).encode()
+        # Only bodies the operation refuses: a valid one would run it (a valid step() changes the step counter).
+        try:
+            parse_arguments(op, "application/json", body, MAX_REQUEST_BYTES)
+            valid = True
+        except ArcticRLError:
+            valid = False
+        assume(not valid)
+    elif kind == "bytes":
+        body = data.draw(st.binary(min_size=1, max_size=64))
+        headers = {"Content-Type": data.draw(st.sampled_from(["application/json", CONTENT_TYPE]))}
+    elif kind == "wire":
+        arguments = dict(valid_arguments(op, make_batch(ray_client)))
+        arguments[data.draw(st.sampled_from(["bogus", "batch", "prompts", "level", "path"]))] = data.draw(json_values)
+        body = encode_message(arguments)
+        headers = {"Content-Type": CONTENT_TYPE}
+        try:
+            parse_arguments(op, CONTENT_TYPE, body, MAX_REQUEST_BYTES)
+            valid = True
+        except ArcticRLError:
+            valid = False
+        assume(not valid)
+    else:
+        assume(op in ("fwd_no_grad", "fwd_bwd"))
+        batch = make_batch(ray_client)
+        mutation = data.draw(st.sampled_from(BATCH_MUTATIONS))
+        key = data.draw(st.sampled_from(sorted(batch)))
+        body = encode_message({"batch": mutate(batch, mutation, key)})
+        headers = {"Content-Type": CONTENT_TYPE}
+    response = httpx.request(operation.method, url, content=body, headers=headers, timeout=60)
+    assert response.status_code < 500, (op, response.status_code, response.text)
+    if response.status_code >= 400:
+        error = response.json()
+        assert error["error"] and len(error["message"]) > 20, error
+    after = ray_client.weight_norm()
+    assert after["training_norm"] == before["training_norm"]
+    assert ray_client.describe()["step"] == step
+
+
+def test_oversize_requests_get_413_and_the_client_names_the_limit(
+    server: ServerThread, http_client: SyncArcticRLClient
+) -> None:
+    big = {"batch": {"input_ids": torch.zeros(2, MAX_REQUEST_BYTES // 8)}}
+    response = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/fwd_no_grad",
+        content=encode_message(big),
+        headers={"Content-Type": CONTENT_TYPE},
+    )
+    assert response.status_code == 413 and "--max-request-mb" in response.json()["message"]
+    with pytest.raises(WireFormatError, match="max-request-mb"):
+        http_client.fwd_no_grad(big["batch"])
+
+
+def test_a_non_loopback_server_needs_a_token_and_checks_it(ray_client: SyncArcticRLClient, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--token-file"):
+        ServerSettings(host="0.0.0.0")
+    token = "s3cret-" * 6
+    guarded = ServerThread(create_app(ray_client, ServerSettings(host="0.0.0.0", token=token)))
+    try:
+        url = f"http://127.0.0.1:{guarded.port}"
+        for path in ("/health", "/v1/weight_norm", "/docs", "/openapi.json"):
+            assert httpx.get(url + path).status_code == 401
+            assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(url + "/v1/step", content=b"{}").status_code == 401
+        assert httpx.get(url + "/health", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        with pytest.raises(ConfigError, match="401"):
+            create_arctic_rl_client(http_config(guarded.port), blocking_calls=True)
+        token_file = tmp_path / "token"
+        token_file.write_text(token + "\n")
+        with create_arctic_rl_client(http_config(guarded.port, token_file=str(token_file)), blocking_calls=True) as c:
+            assert c.weight_norm() == ray_client.weight_norm()
+    finally:
+        guarded.stop()
+
+
+def test_health_status_and_docs(server: ServerThread) -> None:
+    url = f"http://127.0.0.1:{server.port}"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    status = httpx.get(f"{url}/v1/status").json()
+    assert status["running"] == [] and status["completed"] >= 0
+    schema = httpx.get(f"{url}/openapi.json").json()
+    assert {f"/v1/{op}" for op in OPERATIONS} <= set(schema["paths"])
+    assert httpx.get(f"{url}/docs").status_code == 200
+
+
+def test_nothing_answers_is_a_clear_error() -> None:
+    with pytest.raises(TransportError, match="no arctic-rl server answers"):
+        create_arctic_rl_client(http_config(free_port()), blocking_calls=True)
+
+
+def launched(port: int) -> SyncArcticRLClient:
+    address = ray.get_runtime_context().gcs_address
+    config = http_config(port, launch_local_server=True, ray_address=address)
+    client = create_arctic_rl_client(config, blocking_calls=True, engine_classes=FAKES, placement_overrides=CPU_SLOTS)
+    assert isinstance(client, SyncArcticRLClient)
+    return client
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_launched_server_stops_with_its_engines_at_shutdown(ray_client: SyncArcticRLClient) -> None:
+    client = launched(free_port())
+    server = client._transport.server  # type: ignore[attr-defined]
+    engines = [engine["pid"] for engine in client.describe()["engines"].values()]
+    assert client.weight_norm()["training_norm"] > 0
+    client.shutdown()
+    assert server.process.poll() is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in engines):
+        time.sleep(0.5)
+    assert [pid for pid in engines if process_alive(pid)] == []
+    # The module's own service is untouched.
+    assert ray_client.weight_norm()["training_norm"] > 0
+
+
+def test_a_killed_server_gives_a_clear_error(ray_client: SyncArcticRLClient) -> None:
+    client = launched(free_port())
+    server = client._transport.server  # type: ignore[attr-defined]
+    batch = make_batch(ray_client)
+    try:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=30)
+        with pytest.raises(TransportError, match=r"could not be reached.*tried 3 times"):
+            client.weight_norm()
+        with pytest.raises(TransportError, match="not retried"):
+            client.fwd_bwd(batch)
+    finally:
+        client.shutdown()
+
+
+def test_a_killed_engine_is_named_by_503_and_health_and_shutdown_leaves_nothing(ray_client: SyncArcticRLClient) -> None:
+    client = launched(free_port())
+    server = client._transport.server  # type: ignore[attr-defined]
+    url = client._transport.url  # type: ignore[attr-defined]
+    engines = client.describe()["engines"]
+    pids = [engine["pid"] for engine in engines.values()]
+    try:
+        os.kill(engines["training[0]"]["pid"], signal.SIGKILL)
+        with pytest.raises(EngineError, match=r"training\[0\].*died") as raised:
+            client.weight_norm()
+        assert raised.value.engine == "training[0]"
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "training[0]" in health.json()["engine_errors"]
+    finally:
+        client.shutdown()
+    assert server.process.poll() is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
+        time.sleep(0.5)
+    assert [pid for pid in pids if process_alive(pid)] == []
