@@ -255,6 +255,9 @@ def test_sleep_and_wake_validate_the_order_of_calls(engine: Any, reference: Any)
 def test_bad_requests_are_refused_with_a_fix(engine: Any) -> None:
     with pytest.raises(ConfigError, match="SamplingParams"):
         engine.generate([[1, 2]], {"max_new_tokens": 3})
+    for bad_values in ({"n": "x"}, {"n": 0}, {"temperature": -1.0}, {"top_p": 2.0}, {"max_tokens": "a"}):
+        with pytest.raises(ConfigError, match="refused by vLLM's SamplingParams"):
+            engine.generate([[1, 2]], bad_values)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([[1, VOCAB_SIZE + 5]], {"max_tokens": 1})
     with pytest.raises(ValueError, match="empty"):

@@ -228,7 +228,13 @@ class SamplingEngine:
         # Log-probs of the sampled tokens are always returned; a request for top-k alternatives is kept as asked.
         if values.get("logprobs") is None:
             values["logprobs"] = 0
-        return SamplingParams(**values)
+        try:
+            return SamplingParams(**values)
+        except Exception as error:  # vLLM's validation errors are not ValueErrors (VLLMValidationError, TypeError)
+            raise ConfigError(
+                f"sampling_params were refused by vLLM's SamplingParams: {error}. Fix the value (vLLM's field types "
+                "and ranges: n >= 1 int, max_tokens >= 1 int, temperature >= 0, top_p in (0, 1], ...)."
+            ) from error
 
     def _prompts(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[Any]:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence):
