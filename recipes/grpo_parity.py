@@ -9,7 +9,7 @@ the response's bytes whose value has that parity (0 for an empty response). A ra
 the policy has to read the prompt to do better. Each step samples ``--group`` responses per prompt, scores them,
 and takes one GRPO step.
 
-    python recipes/grpo_parity.py                  # about 4 minutes on 2 CPU cores
+    python recipes/grpo_parity.py                  # about a minute on 2 CPU cores
     python recipes/grpo_parity.py --steps 10 --out /tmp/run
     python recipes/grpo_parity.py --compare-zorro  # the same run with ZoRRO off too: trajectories/s on vs off
 
