@@ -26,6 +26,7 @@ from torch import nn
 from arctic_rl.engines.deepspeed_base import DeepSpeedModelEngine
 from arctic_rl.engines.model import load_tokenizer
 from arctic_rl.engines.policy_forward import forward_responses, select_samples
+from arctic_rl.engines.zero_step import install_multi_tensor_checks
 from arctic_rl.errors import EngineError, EngineStateError, import_optional
 
 if TYPE_CHECKING:
@@ -137,6 +138,8 @@ class TrainingEngine(DeepSpeedModelEngine):
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self._scheduler = engine_scheduler
+        # ZeRO-1/2 checks gradients one tensor at a time (thousands of launches a step); same answers, few launches.
+        install_multi_tensor_checks(engine.optimizer)
         return engine
 
     def _clip_before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
