@@ -55,6 +55,32 @@ def cuda_time_ms(fn: Callable[[], Any], *, warmup: int = 5, repeats: int = 30) -
     return statistics.median(times)
 
 
+def host_issue_us(calls: list[Callable[[], Any]], *, rounds: int = 3) -> dict[str, float]:
+    """Host microseconds per call to issue ``calls`` back to back, eagerly (no graph), and the device's
+    microseconds per call for the same sequence.
+
+    After one warm-up pass, each round issues every call without synchronising and reads the host clock before the
+    closing synchronisation; while the host is slower than the device, that is the host's issue time. Median of
+    ``rounds``. On a CPU there is no queue to issue into: both numbers are then plain wall time.
+    """
+    cuda = torch.cuda.is_available()
+    for call in calls:
+        call()
+    if cuda:
+        torch.cuda.synchronize()
+    host, device = [], []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        for call in calls:
+            call()
+        issued = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize()
+        host.append((issued - began) * 1e6 / len(calls))
+        device.append((time.perf_counter() - began) * 1e6 / len(calls))
+    return {"host_issue_us_per_call": statistics.median(host), "wall_us_per_call": statistics.median(device)}
+
+
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     """Device-to-device copy rate, counting bytes read plus bytes written."""
     src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

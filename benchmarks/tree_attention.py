@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import cuda_time_ms, default_out_dir, print_table, run_metadata, write_results
+from common import cuda_time_ms, default_out_dir, host_issue_us, print_table, run_metadata, write_results
 
 from arctic_dedup import Plan, build_plan_from_layout
 from arctic_dedup.attention import tree_attention, tree_attention_reference
@@ -578,6 +578,23 @@ def _metadata_row(run: Run, base: dict[str, Any], layout: SampleLayout, plan: Pl
     run.rows.append({**base, "backend": "metadata", **times, **fraction})
 
 
+def _host_issue_row(run: Run, base: dict[str, Any], plan: Plan, tensors: tuple, configs: Configs) -> None:
+    """Host time to issue one layer's forward eagerly with the metadata prepared once (36 layers x 10 steps)."""
+    backends = _backends(configs)
+    q, k, v = tensors[:3]
+    for backend in ("triton", "sdpa"):
+        forward = backends[backend](plan)
+
+        def call(forward: Callable[..., Any] = forward) -> None:
+            with torch.no_grad():
+                forward(q, k, v)
+
+        times = host_issue_us([call] * 360)
+        run.rows.append({**base, "backend": f"{backend}_host_issue", **times})
+        run.summary[f"{backend}_host_issue_us_per_call"] = times["host_issue_us_per_call"]
+        print_table([run.rows[-1]], ["shape", "backend", "host_issue_us_per_call", "wall_us_per_call"])
+
+
 def _performance_shape(run: Run, shape: str, layout: SampleLayout, configs: Configs, quick: bool) -> None:
     repeats = 5 if quick else 10
     plan = build_plan_from_layout(layout)
@@ -593,6 +610,9 @@ def _performance_shape(run: Run, shape: str, layout: SampleLayout, configs: Conf
     run.attempt(
         f"performance {shape} metadata", functools.partial(_metadata_row, run, base, layout, plan, configs), need_s=10
     )
+    if not run.summary.get("triton_host_issue_us_per_call"):
+        host = functools.partial(_host_issue_row, run, base, plan, tensors, configs)
+        run.attempt(f"performance {shape} host issue", host, need_s=10)
     run.save()
 
 
