@@ -403,3 +403,31 @@ def test_early_combine_equals_the_plain_combine_under_dependent_launches(variant
         for (out, lse), (want_out, want_lse) in zip(zip(early_outs, early_lses, strict=True), expected, strict=True):
             assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"replay {replay}"
         assert not holder[0].combine_ready.any()
+
+
+def test_layers_after_the_first_replay_the_recorded_launches_exactly() -> None:
+    """The first call of a plan records its launches; the other layers replay them and write exactly what a first
+    call over a fresh plan writes. Another layout (a query at another 16-byte alignment) is recorded anew."""
+    from dataclasses import replace
+
+    from test_forest_decode import _plan
+
+    layers = _layers_of_one_step(31, 4, (300, 900), 200, max_samples=12, min_samples=2)
+    plan = _plan(layers[0], 4, ForestKernelConfig())
+    assert plan.launches == {}
+    for index, layer in enumerate(layers):
+        out, lse = forest_decode(layer.query, layer.key_cache, layer.value_cache, plan, 0.1)
+        assert len(plan.launches) == 1, index
+        fresh_out, fresh_lse = forest_decode(
+            layer.query, layer.key_cache, layer.value_cache, _plan(layers[0], 4, ForestKernelConfig()), 0.1
+        )
+        assert torch.equal(out, fresh_out) and torch.equal(lse, fresh_lse), index
+        _check(out, lse, layer, 0.1)
+    first = layers[0]
+    storage = torch.empty(first.query.numel() + 1, dtype=first.query.dtype, device="cuda")
+    shifted = storage[1:].view_as(first.query)
+    shifted.copy_(first.query)
+    out, lse = forest_decode(shifted, first.key_cache, first.value_cache, plan, 0.1)
+    assert len(plan.launches) == 2
+    _check(out, lse, first, 0.1)
+    assert replace(plan, block_table=plan.block_table.clone()).launches == {}

@@ -11,6 +11,7 @@ import torch
 
 from arctic_dedup._triton_support import interpreting
 from arctic_dedup.errors import PlanError
+from arctic_dedup.forest._replay import MAX_LAYOUTS_PER_PLAN, LaunchRecorder, call_key, replay
 from arctic_dedup.forest.plan_types import ForestGrouping, ForestKernelConfig, ForestPlan, ForestWorkspace, PlanSizes
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "launch_combine",
     "launch_forest_decode",
     "launch_plan",
+    "replay_forest_decode",
 ]
 
 # Partials of one combine chunk held in registers at once (floats): 64 per thread with 4 warps.
@@ -259,9 +261,10 @@ def launch_attention(
     out: torch.Tensor,
     lse: torch.Tensor,
     partials: Partials,
+    recorder: LaunchRecorder | None = None,
 ) -> None:
     """The attention launch: one launch of all items, or with ``split_passes`` (plans with groups) the prefix pass
-    and then the suffix pass on the caller's stream."""
+    and then the suffix pass on the caller's stream. ``recorder`` (CUDA) launches and records them for replay."""
     from arctic_dedup.forest._kernels import forest_attention_kernel
 
     config = plan.config
@@ -301,7 +304,8 @@ def launch_attention(
     modes = {1: 2, 2: 3} if pdl and split else {0: plain_mode, 1: plain_mode, 2: plain_mode}
     programs = {0: plan.max_prefix_work + plan.max_suffix_work, 1: plan.max_prefix_work, 2: plan.max_suffix_work}
     for which in (1, 2) if split else (0,):
-        forest_attention_kernel[(programs[which] * num_kv_heads,)](
+        grid = (programs[which] * num_kv_heads,)
+        args = (
             query,
             key_cache,
             value_cache,
@@ -345,6 +349,8 @@ def launch_attention(
             num_requests,
             head_dim,
             num_kv_heads,
+        )
+        options = dict(
             HAS_PREFIX=plan.shares,
             OWNERS_BLOCK=owners_block,
             G=group_size,
@@ -364,9 +370,20 @@ def launch_attention(
             num_stages=num_stages,
             **_pdl_options(pdl, modes[which]),
         )
+        if recorder is not None:
+            recorder.launch(forest_attention_kernel, grid, args, options)
+        else:
+            forest_attention_kernel[grid](*args, **options)
 
 
-def launch_combine(out: torch.Tensor, lse: torch.Tensor, plan: ForestPlan, partials: Partials, head_dim: int) -> None:
+def launch_combine(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plan: ForestPlan,
+    partials: Partials,
+    head_dim: int,
+    recorder: LaunchRecorder | None = None,
+) -> None:
     """Merge every request's partials (requests written directly by the attention launch are skipped)."""
     from arctic_dedup.forest._kernels import forest_combine_kernel
 
@@ -378,7 +395,7 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, plan: ForestPlan, parti
     rows = partials.rows
     chunk = max(1, min(config.combine_chunk_cap, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (rows * dim_block))))
     grid = plan.num_requests * plan.num_kv_heads * dim_chunks
-    forest_combine_kernel[(grid,)](
+    args = (
         out,
         lse,
         plan.query_start_loc,
@@ -398,6 +415,8 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, plan: ForestPlan, parti
         head_dim,
         plan.num_kv_heads,
         dim_chunks,
+    )
+    options = dict(
         HAS_PREFIX=plan.shares,
         G=plan.queries_per_kv,
         QMAX=plan.max_query_len,
@@ -411,6 +430,31 @@ def launch_combine(out: torch.Tensor, lse: torch.Tensor, plan: ForestPlan, parti
         # An early combine lets the next launch be scheduled at once and waits for the attention launch at its end.
         **_pdl_options(dependent_launches(config, out.device), 3 if early else 1),
     )
+    if recorder is not None:
+        recorder.launch(forest_combine_kernel, (grid,), args, options)
+    else:
+        forest_combine_kernel[(grid,)](*args, **options)
+
+
+def replay_forest_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: ForestPlan,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> bool:
+    """Replay the launches an earlier call of this layout recorded on ``plan``; False when there are none (that call
+    validated the same shapes, dtypes and devices against this plan, so a replay needs no checks)."""
+    if not plan.launches:
+        return False
+    tensors = (query, key_cache, value_cache, out, lse)
+    launches = plan.launches.get(call_key(tensors, scale))
+    if launches is None:
+        return False
+    replay(launches, tensors)
+    return True
 
 
 def launch_forest_decode(
@@ -422,6 +466,14 @@ def launch_forest_decode(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
+    """Set up and launch the decode kernels through Triton; on CUDA also record them on ``plan`` so that the next
+    calls of this layout (the model's other layers) only launch (``replay_forest_decode``)."""
+    tensors = (query, key_cache, value_cache, out, lse)
+    recorder = LaunchRecorder(tensors) if query.is_cuda and not interpreting() else None
     partials = allocate_partials(plan, query.shape[2], query.device)
-    launch_attention(query, key_cache, value_cache, plan, scale, out, lse, partials)
-    launch_combine(out, lse, plan, partials, query.shape[2])
+    launch_attention(query, key_cache, value_cache, plan, scale, out, lse, partials, recorder)
+    launch_combine(out, lse, plan, partials, query.shape[2], recorder)
+    if recorder is not None:
+        if len(plan.launches) >= MAX_LAYOUTS_PER_PLAN:
+            plan.launches.clear()
+        plan.launches[call_key(tensors, scale)] = tuple(recorder.launches)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from arctic_dedup._triton_support import Backend, resolve_backend
-from arctic_dedup.forest._launch import check_decode_inputs, launch_forest_decode
+from arctic_dedup.forest._launch import check_decode_inputs, launch_forest_decode, replay_forest_decode
 from arctic_dedup.forest.plan import ForestKernelConfig, ForestPlan, plan_paged
 from arctic_dedup.lse import merge_attention_states
 
@@ -101,7 +101,9 @@ def forest_decode(
     then suffix items (a split of one request's own tokens after its group's prefix, causal within its query tokens).
     A request whose whole context is one suffix item writes its output directly; the combine launch merges every
     other request's partials by log-sum-exp. With no groups every request reads its whole context in suffix items,
-    which is exactly ``paged_decode``. With ``plan.config.early_combine`` (``plan_forest``'s default rule) each
+    which is exactly ``paged_decode``. The first call of a plan (per tensor layout) sets the launches up and records
+    them on the plan; later calls, such as the model's other layers, only launch them (no set-up, no argument
+    binding). With ``plan.config.early_combine`` (``plan_forest``'s default rule) each
     combine program merges its request as soon as that request's own items are done, counting them in the plan
     (``ForestPlan.combine_ready``), so the calls that share one plan must run in stream order, as a model's layers do.
 
@@ -120,11 +122,14 @@ def forest_decode(
         (out ``[T, H_q, D]``, lse ``[T, H_q]`` float32). Rows of query tokens beyond a request's query length are
         not written.
     """
-    check_decode_inputs(query, key_cache, value_cache, plan, out, lse)
     if out is None:
         out = torch.empty_like(query)
     if lse is None:
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    # The model's layers after the first: the plan holds this layout's launches, so the call only launches.
+    if backend != "torch" and replay_forest_decode(query, key_cache, value_cache, plan, scale, out, lse):
+        return out, lse
+    check_decode_inputs(query, key_cache, value_cache, plan, out, lse)
     if resolve_backend(backend, query) == "triton":
         launch_forest_decode(query, key_cache, value_cache, plan, scale, out, lse)
     else:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -174,6 +175,11 @@ class ForestPlan:
     max_suffix_work: int
     shares: bool
     config: ForestKernelConfig = field(default_factory=ForestKernelConfig)
+    # The launches of this plan's first decode call per tensor layout, replayed by later layers (forest/_replay.py);
+    # filled by forest_decode, never copied by dataclasses.replace.
+    launches: dict[tuple[Any, ...], tuple[Any, ...]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     @property
     def num_requests(self) -> int:
