@@ -56,29 +56,36 @@ def cuda_time_ms(fn: Callable[[], Any], *, warmup: int = 5, repeats: int = 30) -
 
 
 def host_issue_us(calls: list[Callable[[], Any]], *, rounds: int = 3) -> dict[str, float]:
-    """Host microseconds per call to issue ``calls`` back to back, eagerly (no graph), and the device's
-    microseconds per call for the same sequence.
+    """Host microseconds to issue each of ``calls`` eagerly (no graph), and the wall microseconds per call.
 
-    After one warm-up pass, each round issues every call without synchronising and reads the host clock before the
-    closing synchronisation; while the host is slower than the device, that is the host's issue time. Median of
-    ``rounds``. On a CPU there is no queue to issue into: both numbers are then plain wall time.
+    After one warm-up pass, each call is issued on an idle device (synchronised before it) and timed until it
+    returns, so a call's own host work is measured, not a full launch queue; median over the calls of ``rounds``
+    passes. ``wall_us_per_call`` is the same calls back to back, synchronised once at the end. On a CPU both are
+    plain wall time.
     """
     cuda = torch.cuda.is_available()
-    for call in calls:
-        call()
-    if cuda:
-        torch.cuda.synchronize()
-    host, device = [], []
-    for _ in range(rounds):
-        began = time.perf_counter()
-        for call in calls:
-            call()
-        issued = time.perf_counter()
+
+    def synchronize() -> None:
         if cuda:
             torch.cuda.synchronize()
-        host.append((issued - began) * 1e6 / len(calls))
-        device.append((time.perf_counter() - began) * 1e6 / len(calls))
-    return {"host_issue_us_per_call": statistics.median(host), "wall_us_per_call": statistics.median(device)}
+
+    for call in calls:
+        call()
+    synchronize()
+    host: list[float] = []
+    for _ in range(rounds):
+        for call in calls:
+            synchronize()
+            began = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - began) * 1e6)
+    synchronize()
+    began = time.perf_counter()
+    for call in calls:
+        call()
+    synchronize()
+    wall = (time.perf_counter() - began) * 1e6 / len(calls)
+    return {"host_issue_us_per_call": statistics.median(host), "wall_us_per_call": wall}
 
 
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
