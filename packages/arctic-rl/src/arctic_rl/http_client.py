@@ -259,7 +259,7 @@ class HttpTransport:
             return response.json()
         if response.status_code in (400, 401, 413):
             raise _rebuild_error(op, self.url, response)
-        if response.status_code != 503:
+        if response.status_code not in (429, 503):
             # A server without slots (404) or run with --no-shared-memory (501): the body from now on.
             self.use_slots = False
         return None

@@ -326,8 +326,11 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
 
     @app.get(f"{API_PREFIX}/status")
     async def status() -> Response:
-        """The jobs (requests) running now and how many were completed, refused (4xx) or failed (5xx)."""
-        return _json_response(activity.snapshot())
+        """The jobs (requests) running now, how many were completed, refused (4xx) or failed (5xx), and the
+        shared-memory upload slots (open, created, used; null with --no-shared-memory)."""
+        snapshot = activity.snapshot()
+        snapshot["wire_slots"] = None if slots is None else slots.snapshot()
+        return _json_response(snapshot)
 
     if settings.token is not None:
         app.add_middleware(_BearerToken, token=settings.token)

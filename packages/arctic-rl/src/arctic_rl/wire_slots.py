@@ -88,7 +88,7 @@ class SlotRegistry:
     """The server's upload slots: created on request, used once, closed when used, expired or at shutdown.
 
     ``max_slot_bytes`` is the request-size limit; at most ``max_open_bytes`` of slots are open at once (beyond it a
-    request gets 503 and the client sends the body instead).
+    request gets 429 and the client sends the body instead).
     """
 
     def __init__(self, max_slot_bytes: int, *, lifetime_s: float = 120.0, max_open_bytes: int | None = None) -> None:
@@ -97,11 +97,13 @@ class SlotRegistry:
         self.max_open_bytes = 2 * max_slot_bytes if max_open_bytes is None else max_open_bytes
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
+        self.created = 0
+        self.used = 0
 
-    @property
-    def open_slots(self) -> int:
+    def snapshot(self) -> dict[str, int]:
+        """Slots open now, created and used (decoded) since the start: for ``/v1/status``."""
         with self._lock:
-            return len(self._slots)
+            return {"open": len(self._slots), "created": self.created, "used": self.used}
 
     def create(self, size: Any) -> dict[str, Any]:
         """A new slot of exactly ``size`` bytes: ``{"slot", "path", "size", "expires_in_s"}`` (the JSON answer)."""
@@ -122,7 +124,7 @@ class SlotRegistry:
             open_bytes = sum(slot.size for slot in self._slots.values())
             if open_bytes + size > self.max_open_bytes:
                 raise SlotUnavailable(
-                    503,
+                    429,
                     f"{open_bytes} bytes of slots are open, and {size} more would pass {self.max_open_bytes}; send "
                     "the batch as the body, or retry once the pending uploads are done.",
                 )
@@ -136,6 +138,7 @@ class SlotRegistry:
             except OSError as error:
                 os.close(fd)
                 raise SlotUnavailable(503, f"the server could not create a slot ({error}); send the body.") from None
+            self.created += 1
             self._slots[name] = _Slot(fd=fd, size=size, nonce=nonce, expires=time.monotonic() + self.lifetime_s)
         return {"slot": name, "path": f"/proc/{os.getpid()}/fd/{fd}", "size": size, "expires_in_s": self.lifetime_s}
 
@@ -172,7 +175,10 @@ class SlotRegistry:
             mapping = mmap.mmap(slot.fd, slot.size, access=mmap.ACCESS_COPY)
         finally:
             os.close(slot.fd)
-        return decode_message_view(mapping, max_bytes=max_bytes)
+        message = decode_message_view(mapping, max_bytes=max_bytes)
+        with self._lock:
+            self.used += 1
+        return message
 
     def expire(self) -> int:
         """Close the slots whose lifetime ended; how many."""
