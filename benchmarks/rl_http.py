@@ -8,10 +8,13 @@ lost or garbled passes; latencies give p50/p99 per operation and overall. ``summ
 of ``last_step_metrics`` alone (a call that reaches the service and no engine). Goal: <= 5 ms.
 
 Wire: a ``--wire-mib`` batch (float32 ``old_log_probs``-like tensors) is encoded and posted by the client's HTTP
-transport to the server's own application (``arctic_rl.serve.create_app`` in a process of its own: body streaming,
-size limit, parsing, decoding; the service behind it is a stand-in that answers at once) and decoded there; GB/s
-of that against a plain memory copy of the same bytes on the same machine gives ``summary.wire_copy_fraction``.
-Goal: >= 0.25.
+transport, as a user gets it by default, to the server's own application (``arctic_rl.serve.create_app`` in a process
+of its own: size limit, parsing, decoding with every check; the service behind it is a stand-in that answers at once)
+and decoded there; GB/s of that against a plain memory copy of the same bytes on the same machine gives
+``summary.wire_copy_fraction``. Goal: >= 0.25. On loopback the default transport writes the batch into a
+shared-memory upload slot (``arctic_rl.wire_slots``; the script checks that the server used one per request);
+``summary.wire_body_gbps`` is the same batch sent as the HTTP body (``http.shared_memory=False``, what a server on
+another host gets).
 
 Run it only on an idle machine (other load skews both parts):
 
@@ -155,13 +158,33 @@ def serve_immediate(port: int, limit: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
-    """Encode + post + decode a ``mib`` MiB batch through the client's HTTP transport and the server's application
-    (in its own process), against a plain copy of the same bytes."""
+def post_batches(port: int, limit_mib: int, batch: dict[str, torch.Tensor], repeats: int, shared: bool) -> list[float]:
+    """Seconds of each of ``repeats`` fwd_no_grad calls with ``batch`` through the client's HTTP transport."""
     import httpx
 
     from arctic_rl import ArcticRLClientConfig
     from arctic_rl.http_client import HttpTransport
+
+    http = {"max_request_mb": limit_mib, "shared_memory": shared}
+    transport = HttpTransport(ArcticRLClientConfig(model_name="unused", comm_protocol="http", port=port, http=http))
+    arguments = {"batch": batch, "reference_model": False, "calculate_entropy": False}
+    used = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["wire_slots"]["used"]
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        # The stand-in answers {} only after the server read, decoded and validated the message.
+        assert transport.call_sync("fwd_no_grad", arguments) == {}
+        seconds.append(time.perf_counter() - start)
+    transport.close_sync()
+    slots = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["wire_slots"]
+    assert slots["used"] - used == (repeats if shared else 0), f"the server used {slots['used'] - used} slots"
+    return seconds
+
+
+def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
+    """Encode + post + decode a ``mib`` MiB batch through the client's HTTP transport and the server's application
+    (in its own process), against a plain copy of the same bytes; by default (shared memory) and as the body."""
+    import httpx
 
     rows = 1024
     columns = mib * 1024**2 // 4 // rows // 2
@@ -185,18 +208,8 @@ def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        config = ArcticRLClientConfig(
-            model_name="unused", comm_protocol="http", port=port, http={"max_request_mb": limit_mib}
-        )
-        transport = HttpTransport(config)
-        arguments = {"batch": batch, "reference_model": False, "calculate_entropy": False}
-        wire_seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            # The stand-in answers {} only after the server read, decoded and validated the message.
-            assert transport.call_sync("fwd_no_grad", arguments) == {}
-            wire_seconds.append(time.perf_counter() - start)
-        transport.close_sync()
+        wire_seconds = post_batches(port, limit_mib, batch, repeats, shared=True)
+        body_seconds = post_batches(port, limit_mib, batch, repeats, shared=False)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -209,7 +222,13 @@ def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
         copy_seconds.append(time.perf_counter() - start)
     wire_gbps = size / statistics.median(wire_seconds) / 1e9
     copy_gbps = size / statistics.median(copy_seconds) / 1e9
-    return {"bytes": size, "wire_gbps": wire_gbps, "copy_gbps": copy_gbps, "wire_copy_fraction": wire_gbps / copy_gbps}
+    return {
+        "bytes": size,
+        "wire_gbps": wire_gbps,
+        "wire_body_gbps": size / statistics.median(body_seconds) / 1e9,
+        "copy_gbps": copy_gbps,
+        "wire_copy_fraction": wire_gbps / copy_gbps,
+    }
 
 
 def run_load(args: argparse.Namespace) -> tuple[dict[str, Any], float]:
@@ -268,6 +287,7 @@ def main() -> None:
         "control_call_goal_ms": CONTROL_GOAL_MS,
         "wire_bytes": wire["bytes"],
         "wire_gbps": wire["wire_gbps"],
+        "wire_body_gbps": wire["wire_body_gbps"],
         "copy_gbps": wire["copy_gbps"],
         "wire_copy_fraction": wire["wire_copy_fraction"],
         "wire_copy_goal": WIRE_GOAL,
