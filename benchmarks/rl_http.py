@@ -20,12 +20,15 @@ Run it only on an idle machine (other load skews both parts):
 
     python benchmarks/rl_http.py                    # 16 clients x 50 requests, a 1 GiB batch
     python benchmarks/rl_http.py --smoke            # 2 clients x 5 requests, a 16 MiB batch: checks the script
+    python benchmarks/rl_http.py --wire-only        # the wire part again, into the existing results file
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import socket
 import statistics
 import subprocess
@@ -39,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import default_out_dir, print_table, write_results
+from common import default_out_dir, print_table, run_metadata, write_results
 
 NAME = "rl_http"
 CONTROL_GOAL_MS = 5.0
@@ -266,6 +269,11 @@ def main() -> None:
     parser.add_argument("--wire-mib", type=int, default=1024, help="size of the wire batch in MiB")
     parser.add_argument("--wire-repeats", type=int, default=3)
     parser.add_argument("--control-repeats", type=int, default=200)
+    parser.add_argument(
+        "--wire-only",
+        action="store_true",
+        help="measure only the wire and replace its fields in the existing results file (meta.wire says when)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--immediate-server", nargs=2, type=int, metavar=("PORT", "LIMIT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -275,6 +283,24 @@ def main() -> None:
     if args.smoke:
         args.clients, args.requests, args.wire_mib, args.wire_repeats, args.control_repeats = 2, 5, 16, 2, 20
     wire = wire_throughput(args.wire_mib, args.wire_repeats)
+    wire_fields = {
+        "wire_bytes": wire["bytes"],
+        "wire_gbps": wire["wire_gbps"],
+        "wire_body_gbps": wire["wire_body_gbps"],
+        "copy_gbps": wire["copy_gbps"],
+        "wire_copy_fraction": wire["wire_copy_fraction"],
+        "wire_copy_goal": WIRE_GOAL,
+    }
+    if args.wire_only:
+        path = (args.out or default_out_dir()) / f"{NAME}.json"
+        result = json.loads(path.read_text())
+        result["summary"].update(wire_fields)
+        # The load test's fields keep their own run's meta; the wire's run is recorded beside it, with the load
+        # average of the machine (1, 5, 15 min) at its end.
+        result["meta"]["wire"] = {**run_metadata(), "load_average": list(os.getloadavg())}
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(wire_fields))
+        return
     load, control = run_load(args)
     summary = {
         "clients": args.clients,
@@ -285,12 +311,7 @@ def main() -> None:
         "p99_ms": load["p99_ms"],
         "control_call_ms": control,
         "control_call_goal_ms": CONTROL_GOAL_MS,
-        "wire_bytes": wire["bytes"],
-        "wire_gbps": wire["wire_gbps"],
-        "wire_body_gbps": wire["wire_body_gbps"],
-        "copy_gbps": wire["copy_gbps"],
-        "wire_copy_fraction": wire["wire_copy_fraction"],
-        "wire_copy_goal": WIRE_GOAL,
+        **wire_fields,
         "smoke": args.smoke,
     }
     rows = [{"operation": op, **values} for op, values in load["per_op"].items()]

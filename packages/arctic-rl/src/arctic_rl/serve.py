@@ -52,6 +52,7 @@ from arctic_rl.wire_slots import SLOT_CONTENT_TYPE, SLOTS_PATH, SlotRegistry, Sl
 import_optional("fastapi", extra="engines", purpose="by the arctic-rl HTTP server (arctic-rl-serve)")
 
 from fastapi import FastAPI, Request, Response  # noqa: E402
+from starlette.background import BackgroundTask  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
 from starlette.responses import JSONResponse  # noqa: E402
 
@@ -164,9 +165,19 @@ class _BearerToken:
         await self.app(scope, receive, send)
 
 
-def _json_response(content: Any, status_code: int = 200) -> Response:
+def _json_response(content: Any, status_code: int = 200, background: BackgroundTask | None = None) -> Response:
     # Python's JSON (NaN and Infinity allowed): a metric may legitimately be NaN, and the client parses it back.
-    return Response(json.dumps(content, allow_nan=True), status_code=status_code, media_type="application/json")
+    return Response(
+        json.dumps(content, allow_nan=True),
+        status_code=status_code,
+        media_type="application/json",
+        background=background,
+    )
+
+
+def _release(arguments: dict[str, Any]) -> None:
+    """Drop the last references to a request's decoded arguments (a batch may hold a GiB of memory)."""
+    arguments.clear()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -271,9 +282,12 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
             if op == "shutdown" and app.state.uvicorn_server is not None:
                 # The engines are stopped; the server exits once this answer is sent.
                 app.state.uvicorn_server.should_exit = True
+            # Freeing a large batch takes a while: in a worker thread once the answer is sent, not before it.
+            release = BackgroundTask(_release, arguments)
             if operation.tensors_out:
-                return Response(await run_in_threadpool(encode_message, result), media_type=CONTENT_TYPE)
-            return _json_response(result)
+                encoded = await run_in_threadpool(encode_message, result)
+                return Response(encoded, media_type=CONTENT_TYPE, background=release)
+            return _json_response(result, background=release)
 
         schema = operation.body.model_json_schema()
         extra = None
