@@ -624,9 +624,13 @@ def test_a_launched_server_takes_batches_through_shared_memory(ray_client: SyncA
     client = launched(port, shared_memory_min_bytes=0)
     server_process = client._transport.server.process  # type: ignore[attr-defined]
     batch = make_batch(ray_client)
+    body = shared_memory_client(port, shared_memory=False)
     try:
-        assert_same(client.fwd_no_grad(batch), ray_client.fwd_no_grad(batch))
-        assert slot_counts(port)["used"] == 1
+        # Its own engines (fresh weights, unlike the module's trained ones): the body path on the same server is the
+        # reference.
+        assert_same(client.fwd_no_grad(batch), body.fwd_no_grad(batch))
+        assert slot_counts(port) == {"open": 0, "created": 1, "used": 1}
     finally:
+        body.shutdown()
         client.shutdown()
     assert server_process.poll() is not None and shm_files() == files
