@@ -271,7 +271,7 @@ class HttpTransport:
                 reference = write_to_slot(slot, plan)
                 return reference.encode(), {**self.headers, "Content-Type": SLOT_CONTENT_TYPE}
             except SlotUnusable:
-                # The server runs on another host or as another user: its slots are out of reach for good.
+                # Another host, another user, or no room to write: the body from now on.
                 self.use_slots = False
         content = plan.to_bytes()
         return content, self._body_headers(content)

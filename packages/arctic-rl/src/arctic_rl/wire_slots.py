@@ -246,7 +246,11 @@ def write_to_slot(answer: Any, plan: MessagePlan) -> str:
         if not stat.S_ISREG(status.st_mode) or status.st_size != plan.size:
             raise SlotUnusable(f"the slot {name} is not a file of {plan.size} bytes")
         nonce = os.pread(fd, _NONCE_BYTES, 0)
-        plan.write_to_file(fd)
+        try:
+            plan.write_to_file(fd)
+        except OSError as error:
+            # E.g. shared memory full: the body still works (the server closes the slot when it expires).
+            raise SlotUnusable(f"writing into the slot {name} failed ({error.strerror})") from None
     finally:
         os.close(fd)
     return json.dumps({"slot": name, "nonce": nonce.hex(), "size": plan.size})
