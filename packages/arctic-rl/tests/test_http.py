@@ -293,6 +293,13 @@ def test_malformed_requests_to_every_endpoint_get_a_4xx_and_change_nothing(
     elif kind == "bytes":
         body = data.draw(st.binary(min_size=1, max_size=64))
         headers = {"Content-Type": data.draw(st.sampled_from(["application/json", CONTENT_TYPE]))}
+        # Whitespace is an empty JSON body, valid for an operation without arguments (it would run, e.g. a step).
+        try:
+            parse_arguments(op, headers["Content-Type"], body, MAX_REQUEST_BYTES)
+            valid = True
+        except ArcticRLError:
+            valid = False
+        assume(not valid)
     elif kind == "wire":
         arguments = dict(valid_arguments(op, make_batch(ray_client)))
         arguments[data.draw(st.sampled_from(["bogus", "batch", "prompts", "level", "path"]))] = data.draw(json_values)
@@ -550,12 +557,17 @@ def test_bad_slots_get_a_4xx_and_change_nothing(
     kind = data.draw(st.sampled_from(["size", "name", "reference", "mutated"]))
     responses = []
     if kind == "size":
+        # Only sizes the server refuses: a valid one would open a slot that lingers until it expires.
         size = data.draw(
-            st.integers(-10, 4 * MAX_REQUEST_BYTES) | st.floats() | st.text(max_size=4) | st.none() | st.booleans()
+            st.integers(-10, 15)
+            | st.integers(MAX_REQUEST_BYTES + 1, 4 * MAX_REQUEST_BYTES)
+            | st.floats()
+            | st.text(max_size=4)
+            | st.none()
+            | st.booleans()
         )
         body = data.draw(st.sampled_from([json.dumps({"size": size}), json.dumps([size]), "{", "x" * 5000]))
         responses.append(httpx.post(f"{url}/wire_slots", content=body))
-        assume(responses[0].status_code != 201)
     elif kind == "name":
         reference = {
             "slot": data.draw(st.sampled_from(SLOT_NAMES) | st.text(max_size=40)),
@@ -581,10 +593,13 @@ def test_bad_slots_get_a_4xx_and_change_nothing(
                 "slot": reference["slot"][:-1] + "x",
             }[field]
         headers = {"Content-Type": SLOT_CONTENT_TYPE}
-        responses.append(httpx.post(f"{url}/{op}", content=json.dumps(reference), headers=headers))
+        first = httpx.post(f"{url}/{op}", content=json.dumps(reference), headers=headers)
         if kind == "mutated":
-            # Used (and refused) once: the same slot again is unknown.
-            responses.append(httpx.post(f"{url}/{op}", content=json.dumps(reference), headers=headers))
+            # Some mutations still make a valid batch for the operation (fwd_no_grad needs no advantages): no 5xx.
+            assert first.status_code < 500, (kind, first.status_code, first.text)
+            # Used once, answered or refused: the same slot again is unknown.
+            first = httpx.post(f"{url}/{op}", content=json.dumps(reference), headers=headers)
+        responses.append(first)
     for response in responses:
         assert 400 <= response.status_code < 500, (kind, response.status_code, response.text)
         error = response.json()
@@ -594,6 +609,7 @@ def test_bad_slots_get_a_4xx_and_change_nothing(
 
 
 def test_unused_slots_expire_and_close_at_shutdown(ray_client: SyncArcticRLClient) -> None:
+    # Slots of the module's server may expire meanwhile: only this server's must be gone (a subset, not equality).
     files, descriptors = shm_files(), memfd_slots()
     settings_ = ServerSettings(max_request_bytes=MAX_REQUEST_BYTES, slot_lifetime_s=0.4)
     running = ServerThread(create_app(ray_client, settings_))
@@ -604,7 +620,7 @@ def test_unused_slots_expire_and_close_at_shutdown(ray_client: SyncArcticRLClien
         deadline = time.monotonic() + 10
         while slot_counts(running.port)["open"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert memfd_slots() == descriptors
+        assert memfd_slots() <= descriptors
         late = httpx.post(
             f"http://127.0.0.1:{running.port}/v1/fwd_no_grad",
             content=reference,
@@ -615,7 +631,7 @@ def test_unused_slots_expire_and_close_at_shutdown(ray_client: SyncArcticRLClien
         assert len(memfd_slots() - descriptors) == 1
     finally:
         running.stop()
-    assert memfd_slots() == descriptors and shm_files() == files
+    assert memfd_slots() <= descriptors and shm_files() == files
 
 
 def test_a_launched_server_takes_batches_through_shared_memory(ray_client: SyncArcticRLClient) -> None:
