@@ -8,21 +8,27 @@ lost or garbled passes; latencies give p50/p99 per operation and overall. ``summ
 of ``last_step_metrics`` alone (a call that reaches the service and no engine). Goal: <= 5 ms.
 
 Wire: a ``--wire-mib`` batch (float32 ``old_log_probs``-like tensors) is encoded and posted by the client's HTTP
-transport to the server's own application (``arctic_rl.serve.create_app`` in a process of its own: body streaming,
-size limit, parsing, decoding; the service behind it is a stand-in that answers at once) and decoded there; GB/s
-of that against a plain memory copy of the same bytes on the same machine gives ``summary.wire_copy_fraction``.
-Goal: >= 0.25.
+transport, as a user gets it by default, to the server's own application (``arctic_rl.serve.create_app`` in a process
+of its own: size limit, parsing, decoding with every check; the service behind it is a stand-in that answers at once)
+and decoded there; GB/s of that against a plain memory copy of the same bytes on the same machine gives
+``summary.wire_copy_fraction``. Goal: >= 0.25. On loopback the default transport writes the batch into a
+shared-memory upload slot (``arctic_rl.wire_slots``; the script checks that the server used one per request);
+``summary.wire_body_gbps`` is the same batch sent as the HTTP body (``http.shared_memory=False``, what a server on
+another host gets).
 
 Run it only on an idle machine (other load skews both parts):
 
     python benchmarks/rl_http.py                    # 16 clients x 50 requests, a 1 GiB batch
     python benchmarks/rl_http.py --smoke            # 2 clients x 5 requests, a 16 MiB batch: checks the script
+    python benchmarks/rl_http.py --wire-only        # the wire part again, into the existing results file
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import socket
 import statistics
 import subprocess
@@ -36,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import default_out_dir, print_table, write_results
+from common import default_out_dir, print_table, run_metadata, write_results
 
 NAME = "rl_http"
 CONTROL_GOAL_MS = 5.0
@@ -155,13 +161,33 @@ def serve_immediate(port: int, limit: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
-    """Encode + post + decode a ``mib`` MiB batch through the client's HTTP transport and the server's application
-    (in its own process), against a plain copy of the same bytes."""
+def post_batches(port: int, limit_mib: int, batch: dict[str, torch.Tensor], repeats: int, shared: bool) -> list[float]:
+    """Seconds of each of ``repeats`` fwd_no_grad calls with ``batch`` through the client's HTTP transport."""
     import httpx
 
     from arctic_rl import ArcticRLClientConfig
     from arctic_rl.http_client import HttpTransport
+
+    http = {"max_request_mb": limit_mib, "shared_memory": shared}
+    transport = HttpTransport(ArcticRLClientConfig(model_name="unused", comm_protocol="http", port=port, http=http))
+    arguments = {"batch": batch, "reference_model": False, "calculate_entropy": False}
+    used = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["wire_slots"]["used"]
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        # The stand-in answers {} only after the server read, decoded and validated the message.
+        assert transport.call_sync("fwd_no_grad", arguments) == {}
+        seconds.append(time.perf_counter() - start)
+    transport.close_sync()
+    slots = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["wire_slots"]
+    assert slots["used"] - used == (repeats if shared else 0), f"the server used {slots['used'] - used} slots"
+    return seconds
+
+
+def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
+    """Encode + post + decode a ``mib`` MiB batch through the client's HTTP transport and the server's application
+    (in its own process), against a plain copy of the same bytes; by default (shared memory) and as the body."""
+    import httpx
 
     rows = 1024
     columns = mib * 1024**2 // 4 // rows // 2
@@ -185,18 +211,8 @@ def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        config = ArcticRLClientConfig(
-            model_name="unused", comm_protocol="http", port=port, http={"max_request_mb": limit_mib}
-        )
-        transport = HttpTransport(config)
-        arguments = {"batch": batch, "reference_model": False, "calculate_entropy": False}
-        wire_seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            # The stand-in answers {} only after the server read, decoded and validated the message.
-            assert transport.call_sync("fwd_no_grad", arguments) == {}
-            wire_seconds.append(time.perf_counter() - start)
-        transport.close_sync()
+        wire_seconds = post_batches(port, limit_mib, batch, repeats, shared=True)
+        body_seconds = post_batches(port, limit_mib, batch, repeats, shared=False)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -209,7 +225,13 @@ def wire_throughput(mib: int, repeats: int) -> dict[str, float]:
         copy_seconds.append(time.perf_counter() - start)
     wire_gbps = size / statistics.median(wire_seconds) / 1e9
     copy_gbps = size / statistics.median(copy_seconds) / 1e9
-    return {"bytes": size, "wire_gbps": wire_gbps, "copy_gbps": copy_gbps, "wire_copy_fraction": wire_gbps / copy_gbps}
+    return {
+        "bytes": size,
+        "wire_gbps": wire_gbps,
+        "wire_body_gbps": size / statistics.median(body_seconds) / 1e9,
+        "copy_gbps": copy_gbps,
+        "wire_copy_fraction": wire_gbps / copy_gbps,
+    }
 
 
 def run_load(args: argparse.Namespace) -> tuple[dict[str, Any], float]:
@@ -247,6 +269,11 @@ def main() -> None:
     parser.add_argument("--wire-mib", type=int, default=1024, help="size of the wire batch in MiB")
     parser.add_argument("--wire-repeats", type=int, default=3)
     parser.add_argument("--control-repeats", type=int, default=200)
+    parser.add_argument(
+        "--wire-only",
+        action="store_true",
+        help="measure only the wire and replace its fields in the existing results file (meta.wire says when)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--immediate-server", nargs=2, type=int, metavar=("PORT", "LIMIT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,6 +283,24 @@ def main() -> None:
     if args.smoke:
         args.clients, args.requests, args.wire_mib, args.wire_repeats, args.control_repeats = 2, 5, 16, 2, 20
     wire = wire_throughput(args.wire_mib, args.wire_repeats)
+    wire_fields = {
+        "wire_bytes": wire["bytes"],
+        "wire_gbps": wire["wire_gbps"],
+        "wire_body_gbps": wire["wire_body_gbps"],
+        "copy_gbps": wire["copy_gbps"],
+        "wire_copy_fraction": wire["wire_copy_fraction"],
+        "wire_copy_goal": WIRE_GOAL,
+    }
+    if args.wire_only:
+        path = (args.out or default_out_dir()) / f"{NAME}.json"
+        result = json.loads(path.read_text())
+        result["summary"].update(wire_fields)
+        # The load test's fields keep their own run's meta; the wire's run is recorded beside it, with the load
+        # average of the machine (1, 5, 15 min) at its end.
+        result["meta"]["wire"] = {**run_metadata(), "load_average": list(os.getloadavg())}
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(wire_fields))
+        return
     load, control = run_load(args)
     summary = {
         "clients": args.clients,
@@ -266,11 +311,7 @@ def main() -> None:
         "p99_ms": load["p99_ms"],
         "control_call_ms": control,
         "control_call_goal_ms": CONTROL_GOAL_MS,
-        "wire_bytes": wire["bytes"],
-        "wire_gbps": wire["wire_gbps"],
-        "copy_gbps": wire["copy_gbps"],
-        "wire_copy_fraction": wire["wire_copy_fraction"],
-        "wire_copy_goal": WIRE_GOAL,
+        **wire_fields,
         "smoke": args.smoke,
     }
     rows = [{"operation": op, **values} for op, values in load["per_op"].items()]

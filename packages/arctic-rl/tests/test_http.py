@@ -1,12 +1,14 @@
 """The HTTP transport on a local Ray with the small fake engines (fake_engines.py): the server forwards to the same
 service as the Ray client and answers with the same results and exceptions; malformed requests of every endpoint get
-a 4xx and change nothing (hypothesis); a non-loopback server needs its bearer token; oversize bodies get 413; a
-launched server stops at shutdown, a killed one gives the client a clear error, and an engine killed under the server
-is named by a 503 and by /health."""
+a 4xx and change nothing (hypothesis), and so do bad shared-memory slots; batches through shared-memory slots equal
+the body's bitwise, a server without slots gets the body, and slots leave nothing open; a non-loopback server needs
+its bearer token; oversize bodies get 413; a launched server stops at shutdown, a killed one gives the client a clear
+error, and an engine killed under the server is named by a 503 and by /health."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -43,7 +45,8 @@ from arctic_rl.errors import (  # noqa: E402
 )
 from arctic_rl.http_api import OPERATIONS, parse_arguments  # noqa: E402
 from arctic_rl.serve import ServerSettings, create_app  # noqa: E402
-from arctic_rl.wire import CONTENT_TYPE, encode_message  # noqa: E402
+from arctic_rl.wire import CONTENT_TYPE, encode_message, plan_message  # noqa: E402
+from arctic_rl.wire_slots import SLOT_CONTENT_TYPE, write_to_slot  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -290,6 +293,13 @@ def test_malformed_requests_to_every_endpoint_get_a_4xx_and_change_nothing(
     elif kind == "bytes":
         body = data.draw(st.binary(min_size=1, max_size=64))
         headers = {"Content-Type": data.draw(st.sampled_from(["application/json", CONTENT_TYPE]))}
+        # Whitespace is an empty JSON body, valid for an operation without arguments (it would run, e.g. a step).
+        try:
+            parse_arguments(op, headers["Content-Type"], body, MAX_REQUEST_BYTES)
+            valid = True
+        except ArcticRLError:
+            valid = False
+        assume(not valid)
     elif kind == "wire":
         arguments = dict(valid_arguments(op, make_batch(ray_client)))
         arguments[data.draw(st.sampled_from(["bogus", "batch", "prompts", "level", "path"]))] = data.draw(json_values)
@@ -369,9 +379,11 @@ def test_nothing_answers_is_a_clear_error() -> None:
         create_arctic_rl_client(http_config(free_port()), blocking_calls=True)
 
 
-def launched(port: int) -> SyncArcticRLClient:
+def launched(port: int, **http: Any) -> SyncArcticRLClient:
     address = ray.get_runtime_context().gcs_address
     config = http_config(port, launch_local_server=True, ray_address=address)
+    if http:
+        config = config.model_copy(update={"http": config.http.model_copy(update=http)})
     client = create_arctic_rl_client(config, blocking_calls=True, engine_classes=FAKES, placement_overrides=CPU_SLOTS)
     assert isinstance(client, SyncArcticRLClient)
     return client
@@ -435,3 +447,206 @@ def test_a_killed_engine_is_named_by_503_and_health_and_shutdown_leaves_nothing(
     while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
         time.sleep(0.5)
     assert [pid for pid in pids if process_alive(pid)] == []
+
+
+def slot_counts(port: int) -> dict[str, int]:
+    return dict(httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["wire_slots"])
+
+
+def shared_memory_client(port: int, *, blocking: bool = True, **http: Any) -> Any:
+    config = http_config(port)
+    config = config.model_copy(update={"http": config.http.model_copy(update={"shared_memory_min_bytes": 0, **http})})
+    return create_arctic_rl_client(config, blocking_calls=blocking)
+
+
+def memfd_slots() -> set[str]:
+    names = set()
+    for entry in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{entry}")
+            if target.startswith("/memfd:arctic-rl-slot-"):
+                names.add(target)
+    return names
+
+
+def shm_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if "arctic" in name} if os.path.isdir("/dev/shm") else set()
+
+
+def test_batches_through_shared_memory_equal_the_body_bitwise(
+    ray_client: SyncArcticRLClient, server: ServerThread
+) -> None:
+    batch = make_batch(ray_client)
+    expected = ray_client.fwd_no_grad(batch, False, True)
+    before = slot_counts(server.port)
+    fast = shared_memory_client(server.port)
+    body = shared_memory_client(server.port, shared_memory=False)
+    try:
+        assert_same(fast.fwd_no_grad(batch, calculate_entropy=True), expected)
+        assert slot_counts(server.port) == {"open": 0, "created": before["created"] + 1, "used": before["used"] + 1}
+        assert_same(body.fwd_no_grad(batch, calculate_entropy=True), expected)
+        assert slot_counts(server.port)["created"] == before["created"] + 1
+        # Refusals through a slot are the body's refusals, and change nothing.
+        norm, step = ray_client.weight_norm(), ray_client.describe()["step"]
+        bad = dict(batch, advantages=batch["advantages"].clone())
+        bad["advantages"][0, 0] = float("nan")
+        with pytest.raises(BatchValidationError) as through_slot:
+            fast.fwd_bwd(bad)
+        with pytest.raises(BatchValidationError) as through_body:
+            body.fwd_bwd(bad)
+        assert str(through_slot.value) == str(through_body.value)
+        assert ray_client.weight_norm() == norm and ray_client.describe()["step"] == step
+    finally:
+        fast.shutdown()
+        body.shutdown()
+
+    async def run_async() -> Any:
+        client = shared_memory_client(server.port, blocking=False)
+        async with client:
+            return await client.fwd_no_grad(batch, calculate_entropy=True)
+
+    assert_same(asyncio.run(run_async()), expected)
+    assert slot_counts(server.port) == {"open": 0, "created": before["created"] + 3, "used": before["used"] + 3}
+
+
+def test_a_server_without_shared_memory_gets_the_body(ray_client: SyncArcticRLClient) -> None:
+    plain = ServerThread(
+        create_app(ray_client, ServerSettings(max_request_bytes=MAX_REQUEST_BYTES, shared_memory=False))
+    )
+    batch = make_batch(ray_client)
+    client = shared_memory_client(plain.port)
+    try:
+        assert_same(client.fwd_no_grad(batch), ray_client.fwd_no_grad(batch))
+        assert client._transport.use_slots is False  # type: ignore[attr-defined]
+        assert httpx.get(f"http://127.0.0.1:{plain.port}/v1/status").json()["wire_slots"] is None
+        url = f"http://127.0.0.1:{plain.port}/v1"
+        refused = httpx.post(f"{url}/wire_slots", json={"size": 64})
+        assert refused.status_code == 501 and "--no-shared-memory" in refused.json()["message"]
+        reference = json.dumps({"slot": "arctic-rl-slot-" + "0" * 32, "nonce": "00", "size": 64})
+        named = httpx.post(f"{url}/fwd_no_grad", content=reference, headers={"Content-Type": SLOT_CONTENT_TYPE})
+        assert named.status_code == 400 and "--no-shared-memory" in named.json()["message"]
+    finally:
+        client.shutdown()
+        plain.stop()
+
+
+def upload(port: int, message: Any) -> bytes:
+    plan = plan_message(message)
+    answer = httpx.post(f"http://127.0.0.1:{port}/v1/wire_slots", json={"size": plan.size})
+    assert answer.status_code == 201, answer.text
+    return write_to_slot(answer.json(), plan).encode()
+
+
+SLOT_NAMES = [
+    "../../etc/passwd",
+    "/etc/passwd",
+    "/dev/shm/arctic-rl-slot-" + "0" * 32,
+    "arctic-rl-slot-" + "0" * 32,
+    "",
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_bad_slots_get_a_4xx_and_change_nothing(
+    data: st.DataObject, ray_client: SyncArcticRLClient, server: ServerThread
+) -> None:
+    url = f"http://127.0.0.1:{server.port}/v1"
+    before, step = ray_client.weight_norm(), ray_client.describe()["step"]
+    op = data.draw(st.sampled_from(["fwd_no_grad", "fwd_bwd"]))
+    kind = data.draw(st.sampled_from(["size", "name", "reference", "mutated"]))
+    responses = []
+    if kind == "size":
+        # Only sizes the server refuses: a valid one would open a slot that lingers until it expires.
+        size = data.draw(
+            st.integers(-10, 15)
+            | st.integers(MAX_REQUEST_BYTES + 1, 4 * MAX_REQUEST_BYTES)
+            | st.floats()
+            | st.text(max_size=4)
+            | st.none()
+            | st.booleans()
+        )
+        body = data.draw(st.sampled_from([json.dumps({"size": size}), json.dumps([size]), "{", "x" * 5000]))
+        responses.append(httpx.post(f"{url}/wire_slots", content=body))
+    elif kind == "name":
+        reference = {
+            "slot": data.draw(st.sampled_from(SLOT_NAMES) | st.text(max_size=40)),
+            "nonce": data.draw(st.text(max_size=40)),
+            "size": data.draw(st.integers(-5, 2 * MAX_REQUEST_BYTES)),
+        }
+        responses.append(
+            httpx.post(f"{url}/{op}", content=json.dumps(reference), headers={"Content-Type": SLOT_CONTENT_TYPE})
+        )
+    else:
+        batch = make_batch(ray_client)
+        message = {
+            "batch": mutate(
+                batch, data.draw(st.sampled_from(BATCH_MUTATIONS)), data.draw(st.sampled_from(sorted(batch)))
+            )
+        }
+        reference = json.loads(upload(server.port, message if kind == "mutated" else {"batch": batch}))
+        if kind == "reference":
+            field = data.draw(st.sampled_from(["nonce", "size", "slot"]))
+            reference[field] = {
+                "nonce": "ab" * 16,
+                "size": reference["size"] + 1,
+                "slot": reference["slot"][:-1] + "x",
+            }[field]
+        headers = {"Content-Type": SLOT_CONTENT_TYPE}
+        first = httpx.post(f"{url}/{op}", content=json.dumps(reference), headers=headers)
+        if kind == "mutated":
+            # Some mutations still make a valid batch for the operation (fwd_no_grad needs no advantages): no 5xx.
+            assert first.status_code < 500, (kind, first.status_code, first.text)
+            # Used once, answered or refused: the same slot again is unknown.
+            first = httpx.post(f"{url}/{op}", content=json.dumps(reference), headers=headers)
+        responses.append(first)
+    for response in responses:
+        assert 400 <= response.status_code < 500, (kind, response.status_code, response.text)
+        error = response.json()
+        assert error["error"] and len(error["message"]) > 20, error
+    assert ray_client.weight_norm()["training_norm"] == before["training_norm"]
+    assert ray_client.describe()["step"] == step
+
+
+def test_unused_slots_expire_and_close_at_shutdown(ray_client: SyncArcticRLClient) -> None:
+    # Slots of the module's server may expire meanwhile: only this server's must be gone (a subset, not equality).
+    files, descriptors = shm_files(), memfd_slots()
+    settings_ = ServerSettings(max_request_bytes=MAX_REQUEST_BYTES, slot_lifetime_s=0.4)
+    running = ServerThread(create_app(ray_client, settings_))
+    try:
+        batch = make_batch(ray_client)
+        reference = upload(running.port, {"batch": batch})
+        assert slot_counts(running.port)["open"] == 1 and len(memfd_slots() - descriptors) == 1
+        deadline = time.monotonic() + 10
+        while slot_counts(running.port)["open"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert memfd_slots() <= descriptors
+        late = httpx.post(
+            f"http://127.0.0.1:{running.port}/v1/fwd_no_grad",
+            content=reference,
+            headers={"Content-Type": SLOT_CONTENT_TYPE},
+        )
+        assert late.status_code == 400 and "expired" in late.json()["message"]
+        upload(running.port, {"batch": batch})
+        assert len(memfd_slots() - descriptors) == 1
+    finally:
+        running.stop()
+    assert memfd_slots() <= descriptors and shm_files() == files
+
+
+def test_a_launched_server_takes_batches_through_shared_memory(ray_client: SyncArcticRLClient) -> None:
+    files = shm_files()
+    port = free_port()
+    client = launched(port, shared_memory_min_bytes=0)
+    server_process = client._transport.server.process  # type: ignore[attr-defined]
+    batch = make_batch(ray_client)
+    body = shared_memory_client(port, shared_memory=False)
+    try:
+        # Its own engines (fresh weights, unlike the module's trained ones): the body path on the same server is the
+        # reference.
+        assert_same(client.fwd_no_grad(batch), body.fwd_no_grad(batch))
+        assert slot_counts(port) == {"open": 0, "created": 1, "used": 1}
+    finally:
+        body.shutdown()
+        client.shutdown()
+    assert server_process.poll() is not None and shm_files() == files

@@ -266,6 +266,19 @@ class HttpConfig(_Section):
         description="Largest request or response body in MiB; the server refuses larger requests with 413 (its "
         "own --max-request-mb) and the client refuses to send or read larger ones.",
     )
+    shared_memory: bool = Field(
+        default=True,
+        description="When the server runs on this machine (a loopback host), send batches of at least "
+        "shared_memory_min_bytes through shared-memory upload slots instead of the request body (written once, read "
+        "in place; see arctic_rl.wire_slots); False: always the body. A server on another host, or one run with "
+        "--no-shared-memory, gets the body anyway.",
+    )
+    shared_memory_min_bytes: int = Field(
+        default=1024**2,
+        ge=0,
+        description="Smallest encoded batch sent through shared memory: below it the two extra round trips of a "
+        "slot cost more than the body.",
+    )
     server_start_timeout_s: float = Field(
         default=900.0,
         gt=0.0,

@@ -5,6 +5,7 @@ whether they may be retried), how an arctic-rl error maps to a status and a JSON
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,16 @@ from arctic_rl.errors import (
 )
 from arctic_rl.wire import CONTENT_TYPE, decode_message
 
-__all__ = ["API_PREFIX", "OPERATIONS", "Operation", "error_body", "parse_arguments", "read_token"]
+__all__ = [
+    "API_PREFIX",
+    "OPERATIONS",
+    "Operation",
+    "arguments_from_message",
+    "error_body",
+    "is_loopback",
+    "parse_arguments",
+    "read_token",
+]
 
 API_PREFIX = "/v1"
 
@@ -117,6 +127,16 @@ OPERATIONS: dict[str, Operation] = {
 }
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (only this machine can connect)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def read_token(path: str | Path) -> str:
     """The bearer token in ``path`` (surrounding whitespace dropped); refuses a missing or empty file."""
     try:
@@ -172,6 +192,11 @@ def parse_arguments(op: str, content_type: str, body: bytes, limit: int) -> dict
             raise WireFormatError(
                 f"{op}: the body is neither JSON nor the arctic-rl wire format ({CONTENT_TYPE}); send a JSON object."
             ) from None
+    return arguments_from_message(op, message)
+
+
+def arguments_from_message(op: str, message: Any) -> dict[str, Any]:
+    """The keyword arguments of ``op`` from a decoded request message, checked against the operation's body model."""
     if not isinstance(message, dict):
         raise ConfigError(
             f"{op}: the body must be a JSON object of the operation's fields, got {type(message).__name__}."

@@ -6,6 +6,11 @@ stops at ``shutdown()``. The async client uses ``httpx.AsyncClient`` (nothing bl
 blocking client ``httpx.Client``. Timeouts come from ``config.http``; an idempotent operation (``OPERATIONS``) is
 retried with exponential backoff after a connection failure or a timeout, one that changes state never is. Errors
 come back as the same arctic-rl exceptions as over Ray; a server that cannot be reached raises ``TransportError``.
+
+A batch of at least ``http.shared_memory_min_bytes`` for a server on a loopback host goes through a shared-memory
+upload slot (:mod:`arctic_rl.wire_slots`) when ``http.shared_memory`` is on: the tensors' bytes are written once into
+the slot instead of being streamed as the body. When the server has no slots, or this process cannot reach them, the
+transport sends bodies from then on; a server out of slot space gets the body for that request.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from arctic_rl.errors import (
     TransportError,
     WireFormatError,
 )
-from arctic_rl.http_api import API_PREFIX, OPERATIONS, read_token
-from arctic_rl.wire import CONTENT_TYPE, decode_message, encode_message
+from arctic_rl.http_api import API_PREFIX, OPERATIONS, is_loopback, read_token
+from arctic_rl.wire import CONTENT_TYPE, MessagePlan, decode_message, plan_message
+from arctic_rl.wire_slots import SLOT_CONTENT_TYPE, SLOTS_PATH, SlotUnusable, write_to_slot
 
 if TYPE_CHECKING:
     import httpx
@@ -147,6 +153,8 @@ class LocalServer:
         ]
         if config.token_file is not None:
             command += ["--token-file", config.token_file]
+        if not config.http.shared_memory:
+            command.append("--no-shared-memory")
         for role, target in (engine_classes or {}).items():
             command += ["--engine-class", f"{role}={target}"]
         for name, value in (placement_overrides or {}).items():
@@ -212,11 +220,15 @@ class HttpTransport:
         if config.token_file is not None:
             self.headers["Authorization"] = f"Bearer {read_token(config.token_file)}"
         self.timeout = httpx.Timeout(config.http.request_timeout_s, connect=config.http.connect_timeout_s)
+        # Turned off for good once the server shows it has no slots this process can use.
+        self.use_slots = config.http.shared_memory and is_loopback(config.host)
         self._async_client: httpx.AsyncClient | None = None
         self._sync_client: httpx.Client | None = None
 
     # ------------------------------------------------------------------------------------------ requests
-    def _request(self, op: str, arguments: dict[str, Any]) -> tuple[str, str, bytes | None, dict[str, str]]:
+    def _request(
+        self, op: str, arguments: dict[str, Any]
+    ) -> tuple[str, str, bytes | MessagePlan | None, dict[str, str]]:
         if op not in OPERATIONS:
             raise ConfigError(f"{op!r} is not an operation of the arctic-rl server; use one of {sorted(OPERATIONS)}.")
         method = OPERATIONS[op].method
@@ -224,17 +236,45 @@ class HttpTransport:
         if method == "GET":
             return method, url, None, self.headers
         if op in _TENSOR_REQUESTS:
-            content = encode_message(arguments, max_bytes=self.max_bytes)
-            # Set explicitly: a body sent in chunks would otherwise go without a length (chunked encoding), and the
-            # server could not refuse an oversize one before reading it.
-            headers = {**self.headers, "Content-Type": CONTENT_TYPE, "Content-Length": str(len(content))}
-            return method, url, content, headers
+            plan = plan_message(arguments, max_bytes=self.max_bytes)
+            if self.use_slots and plan.size >= self.settings.shared_memory_min_bytes:
+                return method, url, plan, self.headers
+            content = plan.to_bytes()
+            return method, url, content, self._body_headers(content)
         try:
             text = json.dumps(arguments, default=_to_json)
         except (TypeError, ValueError) as error:
             raise WireFormatError(f"{op}: the arguments cannot be sent as JSON ({error}); pass lists, dicts, strings "
                                   "and numbers.") from None  # fmt: skip
         return method, url, text.encode(), {**self.headers, "Content-Type": "application/json"}
+
+    def _body_headers(self, content: bytes) -> dict[str, str]:
+        # Content-Length set explicitly: a body sent in chunks would otherwise go without a length (chunked
+        # encoding), and the server could not refuse an oversize one before reading it.
+        return {**self.headers, "Content-Type": CONTENT_TYPE, "Content-Length": str(len(content))}
+
+    def _slot_answer(self, op: str, response: httpx.Response) -> Any:
+        """The server's slot (JSON), or None: send the body. Raises the server's error for a refused size."""
+        if response.status_code == 201:
+            return response.json()
+        if response.status_code in (400, 401, 413):
+            raise _rebuild_error(op, self.url, response)
+        if response.status_code not in (429, 503):
+            # A server without slots (404) or run with --no-shared-memory (501): the body from now on.
+            self.use_slots = False
+        return None
+
+    def _slot_or_body(self, plan: MessagePlan, slot: Any) -> tuple[bytes, dict[str, str]]:
+        """The request naming ``slot`` after writing ``plan`` into it, or the body when there is no usable slot."""
+        if slot is not None:
+            try:
+                reference = write_to_slot(slot, plan)
+                return reference.encode(), {**self.headers, "Content-Type": SLOT_CONTENT_TYPE}
+            except SlotUnusable:
+                # Another host, another user, or no room to write: the body from now on.
+                self.use_slots = False
+        content = plan.to_bytes()
+        return content, self._body_headers(content)
 
     def _result(self, op: str, response: httpx.Response) -> Any:
         if response.status_code >= 400:
@@ -275,13 +315,25 @@ class HttpTransport:
         if self._async_client is None:
             self._async_client = httpx.AsyncClient(timeout=self.timeout)
         attempts = self._attempts(op)
+        slots_url = f"{self.url}{API_PREFIX}{SLOTS_PATH}"
         for attempt in range(attempts):
-            body: Any = content
-            if content is not None and len(content) > _CHUNK_BYTES:
-                # A fresh iterator per attempt: a retry sends the whole body again.
-                body = _async_chunks(content)
             try:
-                response = await self._async_client.request(method, url, content=body, headers=headers)
+                payload: bytes | None
+                payload_headers = headers
+                if isinstance(content, MessagePlan):
+                    # A new slot per attempt: a slot is used once.
+                    slot = None
+                    if self.use_slots:
+                        asked = await self._async_client.post(slots_url, json={"size": content.size}, headers=headers)
+                        slot = self._slot_answer(op, asked)
+                    payload, payload_headers = await asyncio.to_thread(self._slot_or_body, content, slot)
+                else:
+                    payload = content
+                body: Any = payload
+                if payload is not None and len(payload) > _CHUNK_BYTES:
+                    # A fresh iterator per attempt: a retry sends the whole body again.
+                    body = _async_chunks(payload)
+                response = await self._async_client.request(method, url, content=body, headers=payload_headers)
             except httpx.TransportError as error:
                 if attempt + 1 == attempts:
                     raise self._unreachable(op, error, attempts) from None
@@ -297,12 +349,23 @@ class HttpTransport:
         if self._sync_client is None:
             self._sync_client = httpx.Client(timeout=self.timeout)
         attempts = self._attempts(op)
+        slots_url = f"{self.url}{API_PREFIX}{SLOTS_PATH}"
         for attempt in range(attempts):
-            body: Any = content
-            if content is not None and len(content) > _CHUNK_BYTES:
-                body = _chunks(content)
             try:
-                response = self._sync_client.request(method, url, content=body, headers=headers)
+                payload: bytes | None
+                payload_headers = headers
+                if isinstance(content, MessagePlan):
+                    slot = None
+                    if self.use_slots:
+                        asked = self._sync_client.post(slots_url, json={"size": content.size}, headers=headers)
+                        slot = self._slot_answer(op, asked)
+                    payload, payload_headers = self._slot_or_body(content, slot)
+                else:
+                    payload = content
+                body: Any = payload
+                if payload is not None and len(payload) > _CHUNK_BYTES:
+                    body = _chunks(payload)
+                response = self._sync_client.request(method, url, content=body, headers=payload_headers)
             except httpx.TransportError as error:
                 if attempt + 1 == attempts:
                     raise self._unreachable(op, error, attempts) from None

@@ -10,6 +10,10 @@ Security: the server binds to 127.0.0.1 by default; any other address needs a be
 every request must then carry (``Authorization: Bearer <token>``, compared in constant time; 401 otherwise). No
 endpoint runs code or imports modules the request names: a loss is chosen by its registered name.
 
+Same host: batches larger than the client's ``http.shared_memory_min_bytes`` go through shared-memory upload slots
+instead of the body (see :mod:`arctic_rl.wire_slots`, and its security model there); ``--no-shared-memory`` turns
+this off, and a client on another host sends the body.
+
 Errors: a request the service refuses gets a 4xx whose JSON body names the error type and says what to fix
 (``BatchValidationError`` and ``ConfigError`` 422, ``EngineStateError`` 409, a malformed body 400, an oversize body
 413); an engine that died gets 503 naming it, and ``/health`` reports it from then on.
@@ -18,25 +22,37 @@ Errors: a request the service refuses gets a 4xx whose JSON body names the error
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hmac
-import ipaddress
 import json
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from arctic_rl.errors import ArcticRLError, ConfigError, EngineError, import_optional
-from arctic_rl.http_api import API_PREFIX, OPERATIONS, Operation, error_body, parse_arguments, read_token
+from arctic_rl.errors import ArcticRLError, ConfigError, EngineError, WireFormatError, import_optional
+from arctic_rl.http_api import (
+    API_PREFIX,
+    OPERATIONS,
+    Operation,
+    arguments_from_message,
+    error_body,
+    is_loopback,
+    parse_arguments,
+    read_token,
+)
 from arctic_rl.wire import CONTENT_TYPE, encode_message
+from arctic_rl.wire_slots import SLOT_CONTENT_TYPE, SLOTS_PATH, SlotRegistry, SlotUnavailable
 
 import_optional("fastapi", extra="engines", purpose="by the arctic-rl HTTP server (arctic-rl-serve)")
 
 from fastapi import FastAPI, Request, Response  # noqa: E402
+from starlette.background import BackgroundTask  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
 from starlette.responses import JSONResponse  # noqa: E402
 
@@ -49,12 +65,15 @@ __all__ = ["ServerSettings", "create_app", "is_loopback", "main", "serve"]
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Where the server listens, its token (None: no token, loopback only) and its request-size limit."""
+    """Where the server listens, its token (None: no token, loopback only), its request-size limit, and whether
+    same-host clients may upload batches through shared-memory slots (unused ones close after ``slot_lifetime_s``)."""
 
     host: str = "127.0.0.1"
     port: int = 7000
     token: str | None = None
     max_request_bytes: int = 2048 * 1024**2
+    shared_memory: bool = True
+    slot_lifetime_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.token is not None and not self.token.strip():
@@ -65,16 +84,6 @@ class ServerSettings:
                 "--token-file FILE (a long random string, e.g. `python -c 'import secrets; "
                 "print(secrets.token_urlsafe(32))' > FILE`), or bind to 127.0.0.1."
             )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address (only this machine can connect)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -156,9 +165,19 @@ class _BearerToken:
         await self.app(scope, receive, send)
 
 
-def _json_response(content: Any, status_code: int = 200) -> Response:
+def _json_response(content: Any, status_code: int = 200, background: BackgroundTask | None = None) -> Response:
     # Python's JSON (NaN and Infinity allowed): a metric may legitimately be NaN, and the client parses it back.
-    return Response(json.dumps(content, allow_nan=True), status_code=status_code, media_type="application/json")
+    return Response(
+        json.dumps(content, allow_nan=True),
+        status_code=status_code,
+        media_type="application/json",
+        background=background,
+    )
+
+
+def _release(arguments: dict[str, Any]) -> None:
+    """Drop the last references to a request's decoded arguments (a batch may hold a GiB of memory)."""
+    arguments.clear()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -176,6 +195,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# A slot request is a small JSON object; anything longer is not one.
+_SLOT_REQUEST_LIMIT = 4096
+
+
 class _TooLarge(Exception):
     def __init__(self, size: int, limit: int) -> None:
         super().__init__(size, limit)
@@ -188,7 +211,25 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
     from arctic_rl import __version__
     from arctic_rl.client import SyncArcticRLClient
 
+    slots = None
+    if settings.shared_memory:
+        slots = SlotRegistry(settings.max_request_bytes, lifetime_s=settings.slot_lifetime_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        expiry = asyncio.create_task(_expire_slots(slots)) if slots is not None else None
+        try:
+            yield
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await expiry
+            if slots is not None:
+                slots.close()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="arctic-rl",
         version=__version__,
         description="The arctic-rl engines over HTTP: one endpoint per client operation. Batches and tensor answers "
@@ -198,6 +239,17 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
     app.state.activity = activity
     app.state.client = client
     app.state.uvicorn_server = None
+    app.state.slots = slots
+
+    def _arguments(op: str, content_type: str, body: bytes) -> dict[str, Any]:
+        if content_type.split(";")[0].strip() != SLOT_CONTENT_TYPE:
+            return parse_arguments(op, content_type, body, settings.max_request_bytes)
+        if slots is None:
+            raise WireFormatError(
+                f"{op}: this server runs with --no-shared-memory, so it has no upload slots; send the batch as the "
+                f"body ({CONTENT_TYPE})."
+            )
+        return arguments_from_message(op, slots.take_message(body, settings.max_request_bytes))
 
     def add_operation(op: str, operation: Operation) -> None:
         async def endpoint(request: Request) -> Response:
@@ -215,9 +267,7 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
             job = activity.begin(op)
             try:
                 # Decoding a large batch takes a while: off the event loop, like the call, so /health still answers.
-                arguments = await run_in_threadpool(
-                    parse_arguments, op, request.headers.get("content-type", ""), body, settings.max_request_bytes
-                )
+                arguments = await run_in_threadpool(_arguments, op, request.headers.get("content-type", ""), body)
                 result = await run_in_threadpool(getattr(client, op), **arguments)
             except ArcticRLError as error:
                 activity.end(job, error)
@@ -232,9 +282,12 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
             if op == "shutdown" and app.state.uvicorn_server is not None:
                 # The engines are stopped; the server exits once this answer is sent.
                 app.state.uvicorn_server.should_exit = True
+            # Freeing a large batch takes a while: in a worker thread once the answer is sent, not before it.
+            release = BackgroundTask(_release, arguments)
             if operation.tensors_out:
-                return Response(await run_in_threadpool(encode_message, result), media_type=CONTENT_TYPE)
-            return _json_response(result)
+                encoded = await run_in_threadpool(encode_message, result)
+                return Response(encoded, media_type=CONTENT_TYPE, background=release)
+            return _json_response(result, background=release)
 
         schema = operation.body.model_json_schema()
         extra = None
@@ -256,6 +309,27 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
     for op, operation in OPERATIONS.items():
         add_operation(op, operation)
 
+    @app.post(f"{API_PREFIX}{SLOTS_PATH}", status_code=201)
+    async def wire_slots(request: Request) -> Response:
+        """A same-host upload slot for a large batch (see arctic_rl.wire_slots): body ``{"size": <bytes>}``."""
+        try:
+            body = await _read_body(request, _SLOT_REQUEST_LIMIT)
+        except _TooLarge:
+            body = b""
+        try:
+            if slots is None:
+                raise SlotUnavailable(501, "this server runs with --no-shared-memory; send the batch as the body.")
+            try:
+                requested = json.loads(body)
+            except (ValueError, RecursionError):
+                requested = None
+            if not isinstance(requested, dict) or set(requested) != {"size"}:
+                raise SlotUnavailable(400, 'a slot request is the JSON object {"size": <bytes of the message>}.')
+            return _json_response(await run_in_threadpool(slots.create, requested["size"]), 201)
+        except SlotUnavailable as error:
+            kind = "WireFormatError" if error.status in (400, 413) else "SlotUnavailable"
+            return _json_response({"error": kind, "message": f"wire_slots: {error.message}"}, error.status)
+
     @app.get("/health")
     async def health() -> Response:
         """200 while every engine answers; 503 naming the engines the server saw die."""
@@ -266,12 +340,21 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
 
     @app.get(f"{API_PREFIX}/status")
     async def status() -> Response:
-        """The jobs (requests) running now and how many were completed, refused (4xx) or failed (5xx)."""
-        return _json_response(activity.snapshot())
+        """The jobs (requests) running now, how many were completed, refused (4xx) or failed (5xx), and the
+        shared-memory upload slots (open, created, used; null with --no-shared-memory)."""
+        snapshot = activity.snapshot()
+        snapshot["wire_slots"] = None if slots is None else slots.snapshot()
+        return _json_response(snapshot)
 
     if settings.token is not None:
         app.add_middleware(_BearerToken, token=settings.token)
     return app
+
+
+async def _expire_slots(slots: SlotRegistry) -> None:
+    while True:
+        await asyncio.sleep(min(5.0, slots.lifetime_s / 4))
+        slots.expire()
 
 
 def serve(
@@ -318,6 +401,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=7000)
     parser.add_argument("--token-file", help="File holding the bearer token (required for non-loopback --host).")
     parser.add_argument("--max-request-mb", type=int, default=2048, help="Largest request body in MiB (413 above).")
+    parser.add_argument(
+        "--no-shared-memory",
+        dest="shared_memory",
+        action="store_false",
+        help="Refuse same-host shared-memory upload slots: every batch then travels as the request body.",
+    )
     parser.add_argument(
         "--engine-class",
         action="append",
@@ -373,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             port=arguments.port,
             token=None if arguments.token_file is None else read_token(arguments.token_file),
             max_request_bytes=arguments.max_request_mb * 1024**2,
+            shared_memory=arguments.shared_memory,
         )
     except (ArcticRLError, ValidationError, OSError, ValueError) as error:
         parser.exit(2, f"arctic-rl-serve: {error}\n")

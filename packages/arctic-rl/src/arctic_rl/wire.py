@@ -16,8 +16,10 @@ are refused on decoding (``WireFormatError``), and both sides refuse a blob larg
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,8 +31,11 @@ __all__ = [
     "CONTENT_TYPE",
     "DEFAULT_MAX_BYTES",
     "WIRE_DTYPES",
+    "MessagePlan",
     "decode_message",
+    "decode_message_view",
     "encode_message",
+    "plan_message",
     "read_message_metadata",
 ]
 
@@ -58,6 +63,22 @@ _TENSOR_TAG = "__tensor__"
 # Deeper trees are refused: no operation's message nests more than a few levels, and the bound keeps recursion safe.
 _MAX_DEPTH = 32
 _DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in WIRE_DTYPES}
+# safetensors' names of the wire dtypes (its header's "dtype" field).
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+# One write call moves at most this much, so the kernel's per-call limit (~2 GiB) is never reached.
+_WRITE_CHUNK_BYTES = 256 * 1024**2
 
 
 def encode_message(message: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
@@ -68,6 +89,67 @@ def encode_message(message: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes
     """
     from safetensors.torch import save
 
+    tree, tensors = _split_message(message, max_bytes)
+    data = save(tensors, metadata=_metadata(tree))
+    _check_encoded_size(len(data), max_bytes)
+    return data
+
+
+@dataclass(frozen=True)
+class MessagePlan:
+    """The layout of a message's safetensors blob: ``header`` (the 8-byte length and the JSON header, padded so the
+    data starts 8-byte aligned) then each tensor's bytes at ``header_size + offset``; ``size`` bytes in all."""
+
+    header: bytes
+    tensors: tuple[tuple[torch.Tensor, int], ...]
+    size: int
+
+    def write_to_file(self, fd: int) -> None:
+        """Write the blob at the start of the open file ``fd`` (one copy of each tensor's bytes, no blob in memory)."""
+        _write_all(fd, memoryview(self.header), 0)
+        for tensor, offset in self.tensors:
+            if tensor.numel():
+                _write_all(fd, tensor.reshape(-1).view(torch.uint8).numpy().data, len(self.header) + offset)
+
+    def to_bytes(self) -> bytes:
+        """The blob as one ``bytes`` object (what :func:`decode_message` and safetensors read)."""
+        blob = bytearray(self.size)
+        blob[: len(self.header)] = self.header
+        for tensor, offset in self.tensors:
+            data = tensor.reshape(-1).view(torch.uint8).numpy().data
+            start = len(self.header) + offset
+            blob[start : start + len(data)] = data
+        return bytes(blob)
+
+
+def plan_message(message: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> MessagePlan:
+    """The layout of ``message``'s blob without building it (same checks and errors as :func:`encode_message`).
+
+    Tensors are laid out widest dtype first, so every tensor starts at a multiple of its element size.
+    """
+    tree, tensors = _split_message(message, max_bytes)
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    entries: dict[str, Any] = {"__metadata__": _metadata(tree)}
+    placed: list[tuple[torch.Tensor, int]] = []
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        end = offset + tensor.numel() * tensor.element_size()
+        entries[name] = {
+            "dtype": _SAFETENSORS_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, end],
+        }
+        placed.append((tensor, offset))
+        offset = end
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    header = struct.pack("<Q", len(text)) + text
+    _check_encoded_size(len(header) + offset, max_bytes)
+    return MessagePlan(header=header, tensors=tuple(placed), size=len(header) + offset)
+
+
+def _split_message(message: Any, max_bytes: int) -> tuple[Any, dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
     tree = _strip_tensors(message, tensors, "message", 0)
     estimate = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
@@ -76,14 +158,28 @@ def encode_message(message: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes
             f"the message's tensors hold {estimate} bytes, more than max_bytes={max_bytes}; split the batch or raise "
             "the limit on both sides (the server's --max-request-mb and the client's http.max_request_mb)."
         )
-    metadata = {_FORMAT_KEY: _FORMAT_VERSION, _MESSAGE_KEY: json.dumps(tree, allow_nan=True)}
-    data = save(tensors, metadata=metadata)
-    if len(data) > max_bytes:
+    return tree, tensors
+
+
+def _metadata(tree: Any) -> dict[str, str]:
+    return {_FORMAT_KEY: _FORMAT_VERSION, _MESSAGE_KEY: json.dumps(tree, allow_nan=True)}
+
+
+def _check_encoded_size(size: int, max_bytes: int) -> None:
+    if size > max_bytes:
         raise WireFormatError(
-            f"the encoded message has {len(data)} bytes, more than max_bytes={max_bytes}; split the batch or raise "
+            f"the encoded message has {size} bytes, more than max_bytes={max_bytes}; split the batch or raise "
             "the limit on both sides."
         )
-    return data
+
+
+def _write_all(fd: int, data: memoryview, position: int) -> None:
+    done = 0
+    while done < len(data):
+        written = os.pwrite(fd, data[done : done + _WRITE_CHUNK_BYTES], position + done)
+        if written <= 0:
+            raise OSError(f"writing the wire message stopped after {done} of {len(data)} bytes")
+        done += written
 
 
 def read_message_metadata(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
@@ -111,6 +207,98 @@ def decode_message(data: bytes | bytearray | memoryview, *, max_bytes: int = DEF
     if unused:
         raise WireFormatError(f"the body holds tensors {unused} that the message does not reference.")
     return message
+
+
+def decode_message_view(buffer: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """The message in ``buffer`` (a writable buffer, e.g. a private ``mmap``), its tensors views of the buffer.
+
+    Checks what :func:`decode_message` checks, and that every header entry has a wire dtype, a shape of
+    non-negative integers and offsets that hold exactly that many bytes, the entries tiling the data without gaps or
+    overlaps; a tensor not aligned to its element size is copied. The tensors keep ``buffer`` alive; writing to them
+    writes to it. Raises ``WireFormatError`` saying what is wrong.
+    """
+    view = memoryview(buffer).cast("B")
+    tree, header = _read_header(view, max_bytes)
+    (header_size,) = struct.unpack("<Q", bytes(view[:8]))
+    start = 8 + header_size
+    tensors: dict[str, torch.Tensor] = {}
+    extents: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, begin, end = _check_entry(name, entry)
+        extents.append((begin, end, name))
+        if end > len(view) - start:
+            raise WireFormatError(
+                f"tensor {name!r} ends at byte {end} of the data, which has {len(view) - start}; the body is truncated."
+            )
+        tensors[name] = _tensor_view(buffer, dtype, shape, start + begin)
+    position = 0
+    for begin, end, name in sorted(extents):
+        if begin != position:
+            raise WireFormatError(
+                f"tensor {name!r} starts at data byte {begin}, expected {position}: the tensors' bytes overlap or "
+                "leave a gap; the body is not a wire message."
+            )
+        position = end
+    if position != len(view) - start:
+        raise WireFormatError(
+            f"the tensors cover {position} data bytes, the body has {len(view) - start}; the body is truncated or "
+            "has trailing bytes."
+        )
+    used: set[str] = set()
+    message = _restore_tensors(tree, tensors, used, "message", 0)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise WireFormatError(f"the body holds tensors {unused} that the message does not reference.")
+    return message
+
+
+def _check_entry(name: str, entry: Any) -> tuple[torch.dtype, list[int], int, int]:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise WireFormatError(
+            f"the header entry of tensor {name!r} must hold exactly dtype, shape and data_offsets; got {entry!r}."
+        )
+    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise WireFormatError(
+            f"tensor {name!r} has dtype {entry['dtype']!r}; the wire format carries {sorted(_SAFETENSORS_DTYPES)}."
+        )
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(type(size) is int and size >= 0 for size in shape):
+        raise WireFormatError(f"tensor {name!r} has shape {shape!r}; a shape is a list of non-negative integers.")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(offset) is int for offset in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise WireFormatError(
+            f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end] with 0 <= begin <= end."
+        )
+    numel = 1
+    for size in shape:
+        numel *= size
+    begin, end = offsets
+    if end - begin != numel * dtype.itemsize:
+        raise WireFormatError(
+            f"tensor {name!r} of shape {shape} {entry['dtype']} needs {numel * dtype.itemsize} bytes, its offsets "
+            f"hold {end - begin}; the header is inconsistent."
+        )
+    return dtype, shape, begin, end
+
+
+def _tensor_view(buffer: Any, dtype: torch.dtype, shape: list[int], offset: int) -> torch.Tensor:
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    if offset % dtype.itemsize:
+        # An unaligned view would be an unaligned tensor: some kernels assume alignment, so this one is copied.
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=numel * dtype.itemsize, offset=offset).clone()
+        return raw.view(dtype).reshape(shape)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).reshape(shape)
 
 
 def _strip_tensors(value: Any, tensors: dict[str, torch.Tensor], where: str, depth: int) -> Any:
