@@ -279,7 +279,7 @@ def verl_integration(session: nox.Session) -> None:
     and the thin client (verl pins transformers<5.11, which the engines cannot use); a second one under the
     session's tmp dir holds the engines, whose Python the test starts ``arctic_rl.serve`` with
     (``ARCTIC_RL_ENGINES_PYTHON``)."""
-    engines = Path(session.create_tmp()) / "engines-venv"
+    engines = Path(session.create_tmp()).resolve() / "engines-venv"
     session.run("uv", "venv", "--quiet", "--allow-existing", "--python", "3.11", str(engines), external=True)
     engines_python = str(engines / "bin" / "python")
     session.run(
