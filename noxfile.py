@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -306,6 +307,8 @@ def verl_integration(session: nox.Session) -> None:
     session.run("python", "-W", "ignore", "-c", probe)
     env = {
         "ARCTIC_RL_ENGINES_PYTHON": engines_python,
+        # create_tmp pointed TMPDIR into this session's virtualenv, where Ray refuses to put its session files.
+        "TMPDIR": tempfile.mkdtemp(prefix="arctic-rl-verl-"),
         "TRITON_INTERPRET": "1",
         "DS_ACCELERATOR": "cpu",
         "CUDA_VISIBLE_DEVICES": "",

@@ -49,7 +49,7 @@ RESPONSE_LENGTH = 6
 PROMPT_LENGTH = 16
 PAD = 256  # the byte tokenizer's <|endoftext|>
 EXACT = 1e-5  # fp32 log-prob agreement, the project's bound
-SERVER_START_S = 600
+SERVER_START_S = 420
 
 
 def free_port() -> int:
