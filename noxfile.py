@@ -61,6 +61,7 @@ nox.options.sessions = [
     "zorro_transformers",
     "dedup_triton",
     "bench_checks",
+    "verl_integration",
 ]
 nox.options.error_on_missing_interpreters = True
 
