@@ -240,8 +240,13 @@ def test_a_rollout_and_a_ppo_update_go_through_verls_interfaces(connected: dict[
     ray.get(replica.server_handle.shutdown.remote())
 
 
-def test_what_a_remote_engine_cannot_do_is_refused_with_the_alternative(connected: dict[str, Any]) -> None:
-    engine = ArcticTrainingEngine(model_config={"path": str(connected["model_dir"])}, engine_config={})
+def test_what_a_remote_engine_cannot_do_is_refused_with_the_alternative() -> None:
+    # Refused before any call reaches a server: this engine is never connected.
+    engine = ArcticTrainingEngine(model_config={"path": "unused"}, engine_config={})
+    hot = tu.get_tensordict({"input_ids": torch.ones(1, 2, dtype=torch.long)})
+    tu.assign_non_tensor(hot, temperature=0.7)
+    with pytest.raises(NotImplementedError, match=r"rollout\.temperature=1\.0"):
+        engine.infer_batch(hot)
     with pytest.raises(NotImplementedError, match="sync_weights"):
         engine.get_per_tensor_param()
     with pytest.raises(NotImplementedError, match="register the loss on the server"):

@@ -164,6 +164,13 @@ class ArcticTrainingEngine(BaseEngine):  # type: ignore[misc]
         """``forward_only``: the client's ``fwd_no_grad`` (log-probs, and entropy when verl's batch asks for it).
         Else the client's ``fwd_bwd`` with verl's PPO settings mapped onto arctic-rl's loss (gradients accumulate
         on the server until ``optimizer_step``). Returns verl's ``{"model_output", "loss", "metrics"}``."""
+        temperature = float(get_non_tensor_data(data, "temperature", 1.0))
+        if temperature != 1.0:
+            # verl scales the logits by the rollout temperature; the client's fwd_no_grad / fwd_bwd score at 1.0.
+            raise NotImplementedError(
+                f"the arctic-rl trainer scores log-probs at temperature 1.0, verl's batch asks for {temperature}; "
+                "sample with rollout.temperature=1.0."
+            )
         if forward_only:
             if loss_function is not None:
                 raise NotImplementedError(
