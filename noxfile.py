@@ -1,6 +1,7 @@
 """Sessions: ``main_job`` (the README's first command), ``tests`` (each package alone, CPU, Triton interpreted),
 ``bench_checks`` (the benchmark scripts and recipes still run against the packages, CPU), ``lint``, ``typecheck``,
-``lock_check``, ``gpu_tests`` (the current interpreter, no virtualenv: for the offline H200 and GPU users) and
+``lock_check``, ``verl_integration`` (the verl plugin against real engines, verl and the engines in two
+environments), ``gpu_tests`` (the current interpreter, no virtualenv: for the offline H200 and GPU users) and
 ``bench``.
 
 CPU machines without a CUDA torch get ``torch==2.13.0+cpu`` from a local wheel folder named by
@@ -14,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -39,6 +41,7 @@ RL_ENGINE_MODULES = [
 # Tests of arctic-rl's thin client (no engines), run in that env.
 RL_THIN_CLIENT_TESTS = [
     "test_public_api.py",
+    "test_verl_mapping.py",
     "test_config.py",
     "test_errors.py",
     "test_batch.py",
@@ -58,6 +61,7 @@ nox.options.sessions = [
     "zorro_transformers",
     "dedup_triton",
     "bench_checks",
+    "verl_integration",
 ]
 nox.options.error_on_missing_interpreters = True
 
@@ -237,13 +241,13 @@ DEDUP_TRITON_TESTS = [
 ]
 
 
-def _constraints_without(session: nox.Session, package: str) -> list[str]:
-    """The CPU install arguments with ``package``'s pin dropped from the constraints (for sessions that pin it)."""
+def _constraints_without(session: nox.Session, *packages: str) -> list[str]:
+    """The CPU install arguments with ``packages``' pins dropped from the constraints (for sessions that pin them)."""
     args = _cpu_install_args()
     if args:
         pinned = (ROOT / "ci" / "constraints-cpu.txt").read_text().splitlines()
-        constraints = Path(session.create_tmp()) / f"constraints-without-{package}.txt"
-        constraints.write_text("\n".join(line for line in pinned if not line.startswith(package)) + "\n")
+        constraints = Path(session.create_tmp()) / f"constraints-without-{'-'.join(packages)}.txt"
+        constraints.write_text("\n".join(line for line in pinned if not line.startswith(packages)) + "\n")
         args[1] = str(constraints)
     return args
 
@@ -263,6 +267,61 @@ def dedup_triton(session: nox.Session, triton: str) -> None:
         "python", "-m", "pytest", *tests, "-m", "not gpu", "-q", "-p", "no:cacheprovider", "-W", numpy_in_triton_36,
         *session.posargs, env=env,
     )  # fmt: skip
+
+
+# The verl release the plugin (arctic_rl.integrations.verl) is written against and tested with.
+VERL_VERSION = "0.9.1"
+# Engine-side packages the verl environment must not hold: it reaches the engines through the thin client only.
+VERL_ENV_ABSENT = ["deepspeed", "vllm", "arctic_dedup", "arctic_zorro_train", "arctic_fca"]
+
+
+@nox.session(python="3.11")
+def verl_integration(session: nox.Session) -> None:
+    """verl's plugin against real engines on the CPU. Two environments, as users run it: this session's holds verl
+    and the thin client (verl pins transformers<5.11, which the engines cannot use); a second one under the
+    session's tmp dir holds the engines, whose Python the test starts ``arctic_rl.serve`` with
+    (``ARCTIC_RL_ENGINES_PYTHON``)."""
+    engines = Path(session.create_tmp()).resolve() / "engines-venv"
+    session.run("uv", "venv", "--quiet", "--allow-existing", "--python", "3.11", str(engines), external=True)
+    engines_python = str(engines / "bin" / "python")
+    session.run(
+        "uv", "pip", "install", "--python", engines_python, *_cpu_install_args(), *_package_requirements("arctic-rl"),
+        external=True,
+    )  # fmt: skip
+    if _find_links():
+        session.run(
+            "uv", "pip", "uninstall", "--python", engines_python, *CUDA_ONLY_EXTRAS, external=True, silent=True,
+            success_codes=[0, 1, 2],
+        )  # fmt: skip
+    # verl's own pins (transformers, numpy>=2) replace the full stack's; torch stays the CPU build on CPU machines.
+    session.install(
+        *_constraints_without(session, "transformers", "vllm"), f"verl=={VERL_VERSION}",
+        str(ROOT / "packages" / "arctic-rl"), *TEST_TOOLS,
+    )  # fmt: skip
+    # Fail here, not skip later, when verl or the plugin does not import; and keep the engines out of this env.
+    probe = (
+        "import importlib.util, sys; import verl, arctic_rl.integrations.verl;"
+        f"assert verl.__version__ == {VERL_VERSION!r}, verl.__version__;"
+        f"installed = [m for m in {VERL_ENV_ABSENT!r} if importlib.util.find_spec(m)];"
+        "sys.exit(f'the verl env holds engine packages {installed}' if installed else 0)"
+    )
+    session.run("python", "-W", "ignore", "-c", probe)
+    env = {
+        "ARCTIC_RL_ENGINES_PYTHON": engines_python,
+        # create_tmp pointed TMPDIR into this session's virtualenv, where Ray refuses to put its session files.
+        "TMPDIR": tempfile.mkdtemp(prefix="arctic-rl-verl-"),
+        "TRITON_INTERPRET": "1",
+        "DS_ACCELERATOR": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONHASHSEED": "0",
+    }
+    tests = [
+        str(ROOT / "packages" / "arctic-rl" / "tests_verl"),
+        str(ROOT / "packages" / "arctic-rl" / "tests" / "test_verl_mapping.py"),
+    ]
+    session.run(
+        "python", "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "--durations=5", *session.posargs, env=env
+    )
 
 
 @nox.session(python="3.11")
