@@ -29,7 +29,6 @@ and all of them at shutdown, and the kernel frees them if the server dies. The c
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hmac
 import json
 import mmap
@@ -133,6 +132,8 @@ class SlotRegistry:
             fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
                 os.ftruncate(fd, size)
+                import fcntl  # the server side only, on Linux (as memfd_create); clients import this module anywhere
+
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
                 os.pwrite(fd, nonce, 0)
             except OSError as error:
@@ -165,6 +166,8 @@ class SlotRegistry:
                     "a slot of the message's exact size."
                 )
             try:
+                import fcntl
+
                 fcntl.fcntl(slot.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
             except OSError:
                 raise WireFormatError(
