@@ -110,8 +110,8 @@ def step_prompts(settings: RunSettings) -> list[tuple[str, str]]:
 
 
 def summarize(rows: list[dict[str, Any]], window: int) -> dict[str, float]:
-    """Per side: trajectories/s over the summed step seconds, the mean reward of the first and last ``window``
-    steps; and ours over TRL's trajectories/s (``vs_trl_speedup``)."""
+    """Per side: trajectories/s over the summed step seconds (all steps, and all but the first), the mean reward of
+    the first and last ``window`` steps; and ours over TRL's trajectories/s (``vs_trl_speedup``)."""
     summary: dict[str, float] = {"window": float(window)}
     for side in SIDES:
         steps = [row for row in rows if row["side"] == side]
@@ -120,10 +120,18 @@ def summarize(rows: list[dict[str, Any]], window: int) -> dict[str, float]:
         seconds = sum(row["seconds"] for row in steps)
         summary[f"steps_{side}"] = float(len(steps))
         summary[f"trajectories_per_s_{side}"] = sum(row["trajectories"] for row in steps) / seconds
+        # Both sides' first step carries one-time warm-up (first sampling, allocator, lazy init).
+        later = steps[1:] or steps
+        summary[f"trajectories_per_s_after_first_{side}"] = sum(row["trajectories"] for row in later) / sum(
+            row["seconds"] for row in later
+        )
         summary[f"response_tokens_per_s_{side}"] = sum(row["response_tokens"] for row in steps) / seconds
         summary[f"reward_first_{side}"] = statistics.fmean(row["reward"] for row in steps[:window])
         summary[f"reward_{side}"] = statistics.fmean(row["reward"] for row in steps[-window:])
     summary["vs_trl_speedup"] = summary["trajectories_per_s_ours"] / summary["trajectories_per_s_trl"]
+    summary["vs_trl_speedup_after_first"] = (
+        summary["trajectories_per_s_after_first_ours"] / summary["trajectories_per_s_after_first_trl"]
+    )
     return summary
 
 

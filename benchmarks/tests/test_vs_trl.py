@@ -133,7 +133,11 @@ def test_summary_compares_throughput_and_the_last_steps_reward() -> None:
     assert summary["steps_ours"] == summary["steps_trl"] == 5.0
     # A slower side gives a ratio below 1; the steps' seconds are summed, not averaged per step.
     uneven = _rows("ours", [0.5] * 2, 2.0) + _rows("trl", [0.5], 1.0) + _rows("trl", [0.5], 3.0)
-    assert vs_trl.summarize(uneven, window=1)["vs_trl_speedup"] == pytest.approx(1.0)
+    uneven_summary = vs_trl.summarize(uneven, window=1)
+    assert uneven_summary["vs_trl_speedup"] == pytest.approx(1.0)
+    # Without the first step (warm-up): ours 32 / 2 s, TRL 32 / 3 s.
+    assert uneven_summary["vs_trl_speedup_after_first"] == pytest.approx(1.5)
+    assert summary["vs_trl_speedup_after_first"] == pytest.approx(4.0)
     with pytest.raises(ValueError, match="fewer than the window"):
         vs_trl.summarize(rows, window=6)
 
