@@ -158,22 +158,21 @@ def run_ours(settings: RunSettings, model_dir: str) -> tuple[list[dict[str, Any]
 
 
 def run_trl(
-    settings: RunSettings, model_dir: str, python: str, scratch: Path
+    settings: RunSettings, model_dir: str, python: str, threads: int, scratch: Path
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``vs_trl_peer.py`` under ``python``; its rows and what else it reported (versions, wall and set-up seconds)."""
-    import torch
-
+    """``vs_trl_peer.py`` under ``python`` with ``threads`` torch threads; its rows and what else it reported
+    (versions, wall and set-up seconds)."""
     settings_file, result_file = scratch / "trl_settings.json", scratch / "trl_result.json"
     peer_settings = {
         "model_dir": model_dir,
         "prompts": step_prompts(settings),
         "grpo_config": trl_config(settings),
-        "threads": torch.get_num_threads(),
+        "threads": threads,
     }
     settings_file.write_text(json.dumps(peer_settings, indent=1))
     done = subprocess.run(
         [python, str(PEER), "--settings", str(settings_file), "--out", str(result_file)],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)},
         check=False,
     )
     if done.returncode != 0:
@@ -232,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-python", default=os.environ.get("ARCTIC_TRL_PYTHON"), help="interpreter with trl")
     parser.add_argument("--steps", type=int, default=RunSettings().steps)
     parser.add_argument("--window", type=int, default=5, help="last steps whose mean reward is reported")
+    # Ray starts each of our engine workers (a fractional CPU claim) with OMP_NUM_THREADS=1; TRL gets the same.
+    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL's process")
     parser.add_argument("--smoke", action="store_true", help="3 steps each, window 1: checks the script")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -253,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = str(save_tiny_qwen3(Path(scratch) / "tiny-qwen3", seed=settings.seed))
         ours, ours_wall = run_ours(settings, model_dir)
-        trl_rows, trl_report = run_trl(settings, model_dir, args.trl_python, Path(scratch))
+        meta["load_between"] = os.getloadavg()
+        trl_rows, trl_report = run_trl(settings, model_dir, args.trl_python, args.trl_threads, Path(scratch))
     rows = ours + trl_rows
     summary = summarize(rows, window)
     summary["wall_seconds_ours"] = ours_wall
@@ -263,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_after"] = os.getloadavg()
     result = {
         "meta": meta,
-        "settings": {"ours": asdict(settings), "trl": trl_config(settings), "trl_optimizer": trl_report["optimizer"]},
+        "settings": {
+            "ours": asdict(settings),
+            "trl": trl_config(settings),
+            "trl_optimizer": trl_report["optimizer"],
+            "trl_threads": args.trl_threads,
+        },
         "summary": summary,
         "rows": rows,
     }
