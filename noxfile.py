@@ -309,7 +309,9 @@ def vs_trl(session: nox.Session) -> None:
     _ensure_cpu_torch_wheel(session)
     _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"))
     _drop_cuda_extras(session)
-    trl_env = Path(session.create_tmp()) / "trl-venv"
+    # Beside the session's environment, not in session.create_tmp(): that sets TMPDIR inside the virtualenv, where
+    # Ray refuses to put its session files.
+    trl_env = Path(session.virtualenv.location).with_name(f"{session.name}-trl")
     session.run("uv", "venv", "--python", "3.11", str(trl_env), external=True)
     trl_python = str(trl_env / "bin" / "python")
     session.run("uv", "pip", "install", "--python", trl_python, *_cpu_install_args(), TRL_REQUIREMENT, external=True)
