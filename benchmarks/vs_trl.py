@@ -207,7 +207,7 @@ def plot(rows: list[dict[str, Any]], summary: dict[str, float], png: Path) -> No
     rate_axis.set_yscale("log")
     rate_axis.legend(fontsize=8)
     figure.suptitle(
-        f"parity task, same tiny Qwen3, same CPU: {summary['vs_trl_speedup']:.1f}x the trajectories/s; reward of the "
+        f"parity task, same tiny Qwen3, same CPU: {summary['vs_trl_speedup']:.2f}x the trajectories/s; reward of the "
         f"last {summary['window']:.0f} steps {summary['reward_ours']:.2f} (ours) vs {summary['reward_trl']:.2f} (TRL)",
         fontsize=9,
     )
