@@ -81,3 +81,19 @@ def test_the_main_job_learns_on_the_cpu(tmp_path: Path) -> None:
     assert summary["zorro_savings"] > 0.3  # 8 samples share each prompt: the trainer runs each prompt once
     assert (out / "grpo_parity.png").stat().st_size > 10_000
     assert "reward gain" in result.stdout
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_the_main_job_places_the_engines_for_the_machine(gpus: int) -> None:
+    # The GPU branches cannot run here (vLLM's CUDA build is not on the test machines): their configs must at least
+    # be valid and place the engines as the docstring says (colocated on one GPU, split on two, CPU workers on none).
+    pytest.importorskip("arctic_rl")
+    from grpo_parity import RunSettings, client_config
+
+    config = client_config("model-dir", RunSettings(), gpus)
+    assert (config.training_gpus, config.sampling_gpus, config.log_prob_gpus) == (1, 1, 0)
+    assert config.colocate is (gpus == 1)
+    assert config.comm_protocol == "ray" and config.zorro_train.enable and config.fca.enable
+    if gpus:
+        assert config.sampling.gpu_memory_utilization == 0.3
+    assert type(config).model_validate_json(config.model_dump_json()) == config
