@@ -145,12 +145,14 @@ def run(settings: RunSettings, model_dir: str, *, progress: bool = True) -> list
             prompt_ids = [tokenizer(text)["input_ids"] for text, _ in prompts]
             seconds: dict[str, float] = {}
             start = time.perf_counter()
-            # No per-request seed: vLLM seeds a request's n samples seed, seed + 1, ..., so one seed for the whole
-            # batch would give every prompt (and, shifted by one, the next step) the same sampling noise. The
-            # sampler's own generator, seeded from the config's seed, keeps the run reproducible.
             samples = client.generate(
                 prompt_ids,
-                {"n": settings.group, "max_tokens": settings.max_tokens, "temperature": settings.temperature},
+                {
+                    "n": settings.group,
+                    "max_tokens": settings.max_tokens,
+                    "temperature": settings.temperature,
+                    "seed": settings.seed * 100_003 + step,
+                },
             )
             seconds["generate"] = time.perf_counter() - start
             rewards = [
