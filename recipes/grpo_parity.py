@@ -151,6 +151,10 @@ def run(settings: RunSettings, model_dir: str, *, progress: bool = True) -> list
                     "n": settings.group,
                     "max_tokens": settings.max_tokens,
                     "temperature": settings.temperature,
+                    # One seed per step: vLLM seeds a prompt's n samples seed, seed + 1, ..., so every prompt of the
+                    # step (and the next step, shifted by one) draws the same noise: common random numbers, which
+                    # keep each group's advantages unbiased and lower the step-to-step variance. Without it (the
+                    # sampler's own generator) a 40-step run rose +0.26 / +0.38 (ZoRRO on / off) instead of +0.55.
                     "seed": settings.seed * 100_003 + step,
                 },
             )
