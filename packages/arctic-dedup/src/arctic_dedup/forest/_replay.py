@@ -63,18 +63,23 @@ class LaunchRecorder:
     def launch(self, kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], options: dict[str, Any]) -> None:
         """Launch ``kernel[grid](*args, **options)`` through Triton and record what it launched."""
         compiled = kernel[grid](*args, **options)
-        names = list(inspect.signature(kernel.fn).parameters.values())
-        given = dict(zip((parameter.name for parameter in names), args, strict=False))
-        given.update({name: value for name, value in options.items() if name in {p.name for p in names}})
-        bound = tuple(given.get(parameter.name, parameter.default) for parameter in names)
+        parameters = list(inspect.signature(kernel.fn).parameters.values())
+        names = [parameter.name for parameter in parameters]
+        given = dict(zip(names, args, strict=False))
+        given.update({name: value for name, value in options.items() if name in names})
+        bound = [given.get(parameter.name, parameter.default) for parameter in parameters]
         slots = tuple(
             (position, which)
             for position, value in enumerate(bound)
             for which, tensor in enumerate(self._tensors)
             if value is tensor
         )
+        for position, _ in slots:
+            bound[position] = None  # filled by each replay; the plan must not keep this call's tensors alive
         padded = (*grid, 1, 1)[:3]
-        self.launches.append(PreparedLaunch(compiled, (int(padded[0]), int(padded[1]), int(padded[2])), bound, slots))
+        self.launches.append(
+            PreparedLaunch(compiled, (int(padded[0]), int(padded[1]), int(padded[2])), tuple(bound), slots)
+        )
 
 
 def replay(launches: tuple[PreparedLaunch, ...], tensors: tuple[torch.Tensor, ...]) -> None:
