@@ -8,7 +8,6 @@ error, and an engine killed under the server is named by a 503 and by /health.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -30,6 +29,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from ray_helpers import retry_start  # noqa: E402
+from slot_helpers import memfd_slots, shm_files  # noqa: E402
 
 from arctic_rl.batch import build_grpo_batch  # noqa: E402
 from arctic_rl.client import ArcticRLClient, SyncArcticRLClient, create_arctic_rl_client  # noqa: E402
@@ -457,20 +457,6 @@ def shared_memory_client(port: int, *, blocking: bool = True, **http: Any) -> An
     config = http_config(port)
     config = config.model_copy(update={"http": config.http.model_copy(update={"shared_memory_min_bytes": 0, **http})})
     return create_arctic_rl_client(config, blocking_calls=blocking)
-
-
-def memfd_slots() -> set[str]:
-    names = set()
-    for entry in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{entry}")
-            if target.startswith("/memfd:arctic-rl-slot-"):
-                names.add(target)
-    return names
-
-
-def shm_files() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if "arctic" in name} if os.path.isdir("/dev/shm") else set()
 
 
 def test_batches_through_shared_memory_equal_the_body_bitwise(

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from slot_helpers import memfd_slots, shm_files
 from test_wire import assert_same, grpo_batch, safetensors_blob
 
 from arctic_rl.errors import WireFormatError
@@ -152,21 +153,6 @@ def test_corrupted_blobs_never_escape_as_another_error(noise: bytes, position: i
     for data in (blob, bytearray(noise)):
         with contextlib.suppress(WireFormatError):
             decode_message_view(data)
-
-
-def memfd_slots() -> set[str]:
-    """This process's open slot descriptors (their memfd names)."""
-    names = set()
-    for entry in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{entry}")
-            if target.startswith("/memfd:arctic-rl-slot-"):
-                names.add(target)
-    return names
-
-
-def shm_files() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if "arctic" in name} if os.path.isdir("/dev/shm") else set()
 
 
 def upload(registry: SlotRegistry, message: Any) -> tuple[dict[str, Any], bytes]:
