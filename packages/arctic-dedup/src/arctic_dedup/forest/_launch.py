@@ -449,12 +449,7 @@ def replay_forest_decode(
     validated the same shapes, dtypes and devices against this plan, so a replay needs no checks)."""
     if not plan.launches:
         return False
-    tensors = (query, key_cache, value_cache, out, lse)
-    launches = plan.launches.get(call_key(tensors, scale))
-    if launches is None:
-        return False
-    replay(launches, tensors)
-    return True
+    return replay(plan.launches, (query, key_cache, value_cache, out, lse), scale)
 
 
 def launch_forest_decode(
