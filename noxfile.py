@@ -5,7 +5,9 @@ environments), ``gpu_tests`` (the current interpreter, no virtualenv: for the of
 and ``vs_trl`` (the main job against TRL's GRPOTrainer, each in its own environment).
 
 CPU machines without a CUDA torch get ``torch==2.13.0+cpu`` from a local wheel folder named by
-``ARCTIC_TORCH_FIND_LINKS`` or ``PIP_FIND_LINKS``; versions are pinned by ``ci/constraints-cpu.txt`` there.
+``ARCTIC_TORCH_FIND_LINKS`` or ``PIP_FIND_LINKS``; versions are pinned by ``ci/constraints-cpu.txt`` there. Without
+such a folder, ``main_job`` and ``vs_trl`` fetch that wheel once from PyTorch's CPU index (``ARCTIC_TORCH_INDEX_URL``
+names a mirror) into ``~/.cache/arctic-platform/cpu-wheels``.
 Elsewhere packages resolve from PyPI within the ranges the packages declare.
 """
 
@@ -25,6 +27,8 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES = ["arctic-dedup", "arctic-zorro-train", "arctic-fca", "arctic-rl"]
 TEST_TOOLS = ["pytest>=8.3", "hypothesis>=6.120", "numpy>=1.26"]
+# The nox the README's commands run (uvx nox@...), for the test that imports this file.
+NOX_REQUIREMENT = "nox==2026.10.20"
 # Frameworks arctic-dedup must never pull in (checked in its own environment).
 HEAVY_FRAMEWORKS = ["transformers", "vllm", "deepspeed", "ray"]
 # The thin RL client: `arctic-rl` without extras must neither install nor import these (tested in its own env).
@@ -71,7 +75,8 @@ def _find_links() -> list[str]:
     return [link for link in links.split() if Path(link).exists()]
 
 
-# vLLM's CPU build pins this torch; PyPI has only CUDA builds of it, the CPU wheel is on PyTorch's own index.
+# vLLM's CPU build pins this torch; PyPI has only CUDA builds of it, the CPU wheel is on PyTorch's own index (or a
+# mirror of it named by ARCTIC_TORCH_INDEX_URL).
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 CPU_TORCH_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
 
@@ -84,22 +89,25 @@ def _ensure_cpu_torch_wheel(session: nox.Session) -> None:
 
     if _find_links() or shutil.which("nvidia-smi"):
         return
+    index = os.environ.get("ARCTIC_TORCH_INDEX_URL", CPU_TORCH_INDEX).rstrip("/")
     folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "arctic-platform" / "cpu-wheels"
     target = folder / CPU_TORCH_WHEEL
     if not target.exists():
-        url = f"{CPU_TORCH_INDEX}/{CPU_TORCH_WHEEL.replace('+', '%2B')}"
+        url = f"{index}/{CPU_TORCH_WHEEL.replace('+', '%2B')}"
         session.log(f"no GPU: vLLM's CPU build needs torch 2.13.0+cpu, which PyPI does not have; fetching {url}")
         folder.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".part")
         try:
             urllib.request.urlretrieve(url, partial)
         except OSError as error:
+            partial.unlink(missing_ok=True)
             session.error(
                 f"could not fetch {url} ({error}). Download it where PyTorch's index is reachable (pip download "
                 f"--no-deps -d DIR torch==2.13.0+cpu --index-url {CPU_TORCH_INDEX}) and set "
-                "ARCTIC_TORCH_FIND_LINKS=DIR."
+                "ARCTIC_TORCH_FIND_LINKS=DIR, or name a mirror of the index in ARCTIC_TORCH_INDEX_URL."
             )
         partial.rename(target)
+        session.log(f"cached {target}")
     os.environ["ARCTIC_TORCH_FIND_LINKS"] = str(folder)
 
 
@@ -330,7 +338,8 @@ def bench_checks(session: nox.Session) -> None:
     the lab probes' CPU dry runs match torch, the committed headline results are complete, the main job runs, and
     the real recipes' data, prompts, rewards and a two-step run with the engines (vLLM's CPU build included)."""
     # The full RL stack as arctic-rl's own tests install it, plus the recipes' extra of the root package.
-    _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"), *TEST_TOOLS)
+    # nox: the test of the main job's set-up imports this file.
+    _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"), *TEST_TOOLS, NOX_REQUIREMENT)
     _drop_cuda_extras(session)
     env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0", "DS_ACCELERATOR": "cpu"}
     session.run(
