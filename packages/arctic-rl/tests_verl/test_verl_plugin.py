@@ -106,7 +106,7 @@ def server(engines_python: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             except httpx.TransportError:
                 pass
             time.sleep(1)
-        yield {"port": port, "model_dir": model_dir}
+        yield {"port": port, "model_dir": model_dir, "config_file": config_file}
     finally:
         try:
             httpx.post(f"http://127.0.0.1:{port}/v1/shutdown", timeout=30)
@@ -132,6 +132,69 @@ def local_ray() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+# Started in the engines' environment on verl's Ray cluster: the engines' actors must run that environment's Python,
+# not the cluster's default (verl's), which cannot import them.
+RAY_SERVICE_SCRIPT = """
+import sys
+from pathlib import Path
+
+import ray
+
+from arctic_rl import ArcticRLClientConfig
+from arctic_rl.client import create_arctic_rl_client
+
+address, config_file, name = sys.argv[1:]
+ray.init(address=address, include_dashboard=False, log_to_driver=False)
+config = ArcticRLClientConfig.model_validate_json(Path(config_file).read_text())
+config = config.model_copy(update={"comm_protocol": "ray"})
+client = create_arctic_rl_client(
+    config, blocking_calls=True, service_name=name, placement_overrides={"cpus_per_cpu_worker": 0.25}
+)
+print("READY", flush=True)
+sys.stdin.read()  # until the test closes stdin
+client.shutdown()
+"""
+RAY_SERVICE_NAME = "arctic_rl_verl_service"
+
+
+@pytest.fixture(scope="module")
+def ray_service(
+    server: dict[str, Any], engines_python: str, local_ray: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """The same engines as a Ray service on this test's Ray cluster, started from the engines' environment."""
+    address = ray.get_runtime_context().gcs_address
+    log_path = tmp_path_factory.mktemp("ray-service") / "service.log"
+    command = [engines_python, "-c", RAY_SERVICE_SCRIPT, address, str(server["config_file"]), RAY_SERVICE_NAME]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while "READY" not in log_path.read_text():
+            assert process.poll() is None, f"the service exited ({process.returncode}):\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"no service within {SERVER_START_S} s:\n{log_path.read_text()}"
+            time.sleep(1)
+        yield server
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture
+def connected_over_ray(ray_service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The ARCTIC_RL_* variables for a service on verl's own Ray cluster (its processes are already attached)."""
+    monkeypatch.setenv("ARCTIC_RL_PROTOCOL", "ray")
+    monkeypatch.setenv("ARCTIC_RL_SERVICE_NAME", RAY_SERVICE_NAME)
+    monkeypatch.delenv("ARCTIC_RL_RAY_ADDRESS", raising=False)
+    return ray_service
 
 
 def test_verl_loads_the_plugin_and_its_registries_find_our_classes() -> None:
@@ -187,6 +250,16 @@ def padded_batch(outputs: list[Any]) -> dict[str, torch.Tensor]:
 
 
 def test_a_rollout_and_a_ppo_update_go_through_verls_interfaces(connected: dict[str, Any], local_ray: None) -> None:
+    rollout_and_update_through_verl(connected)
+
+
+def test_the_same_over_ray_with_the_engines_on_verls_cluster(connected_over_ray: dict[str, Any]) -> None:
+    """``ARCTIC_RL_PROTOCOL=ray``: the engines run as a service on verl's Ray cluster, in their own environment."""
+    rollout_and_update_through_verl(connected_over_ray)
+
+
+def rollout_and_update_through_verl(connected: dict[str, Any]) -> None:
+    """A rollout through verl's replica interface and one PPO update through its training-engine interface."""
     model = {"path": str(connected["model_dir"])}
     replica = get_rollout_replica_class("arctic")(
         replica_rank=0, config=rollout_config(), model_config=model, gpus_per_node=1
@@ -238,6 +311,7 @@ def test_a_rollout_and_a_ppo_update_go_through_verls_interfaces(connected: dict[
     assert math.isfinite(after) and after != before
     engine.client.shutdown()
     ray.get(replica.server_handle.shutdown.remote())
+    ray.kill(replica.server_handle)  # its name is free again for the next replica of rank 0
 
 
 def test_what_a_remote_engine_cannot_do_is_refused_with_the_alternative() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -183,6 +184,17 @@ class EngineHandle:
     pid: int | None = None
 
 
+def engines_runtime_env(env_vars: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The Ray runtime environment of the service and engine actors: this process's Python (the environment that
+    holds the engines), whoever started the Ray cluster. An RL framework in another environment (verl pins
+    transformers<5.11) may own the cluster; its default worker Python cannot import the engines. On a cluster of
+    several nodes this Python must exist at the same path on each (one image, or the same shared path)."""
+    runtime_env: dict[str, Any] = {"py_executable": sys.executable}
+    if env_vars:
+        runtime_env["env_vars"] = dict(env_vars)
+    return runtime_env
+
+
 def launch_engine_actor(
     placement: Placement, slot: WorkerSlot, config: ArcticRLClientConfig, *, env: Mapping[str, str] | None = None
 ) -> EngineHandle:
@@ -196,6 +208,6 @@ def launch_engine_actor(
     options = placement.actor_options(slot)
     remote_class = ray.remote(EngineActor)
     actor = remote_class.options(
-        **options, runtime_env={"env_vars": environment}, max_restarts=0, max_concurrency=1
+        **options, runtime_env=engines_runtime_env(environment), max_restarts=0, max_concurrency=1
     ).remote(name)
     return EngineHandle(name=name, role=slot.role, rank=slot.rank, actor=actor)

@@ -616,9 +616,16 @@ def start_service(
     """
     import ray
 
+    from arctic_rl.actors import engines_runtime_env
+
     actor_class = ray.remote(RLService)
     handle = actor_class.options(
-        name=name, namespace=SERVICE_NAMESPACE, num_cpus=0, max_restarts=0, max_concurrency=1
+        name=name,
+        namespace=SERVICE_NAMESPACE,
+        num_cpus=0,
+        max_restarts=0,
+        max_concurrency=1,
+        runtime_env=engines_runtime_env(),
     ).remote(
         config, engine_classes=engine_classes, placement_overrides=placement_overrides, start_timeout_s=start_timeout_s
     )
