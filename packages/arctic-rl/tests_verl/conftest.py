@@ -15,6 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+# Whichever test module imports verl first, verl loads the plugin itself, as in users' processes.
+os.environ["VERL_USE_EXTERNAL_MODULES"] = "arctic_rl.integrations.verl"
+
 from arctic_rl import ArcticRLClientConfig
 
 SERVER_START_S = 420

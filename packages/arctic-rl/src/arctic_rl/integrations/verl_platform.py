@@ -26,15 +26,6 @@ from typing import Any
 
 import torch
 
-try:
-    from verl.plugin.platform.platform_base import PlatformBase
-    from verl.plugin.platform.platform_manager import PlatformRegistry
-except ImportError as error:
-    raise ImportError(
-        f"arctic_rl.integrations.verl_platform is part of the verl plugin and needs verl ({error}); install it in "
-        "the RL framework's environment beside the thin client: `pip install verl==0.9.1 arctic-rl`."
-    ) from error
-
 __all__ = ["PLATFORM", "ArcticCPUPlatform", "register_platform"]
 
 # The value of VERL_PLATFORM that selects this platform.
@@ -87,8 +78,13 @@ class _CPUDeviceModule(ModuleType):
 _DEVICE_MODULE = _CPUDeviceModule()
 
 
-class ArcticCPUPlatform(PlatformBase):  # type: ignore[misc]
-    """verl's platform interface on the CPU: one device, ``gloo`` collectives, no memory to manage."""
+class ArcticCPUPlatform:
+    """verl's platform interface on the CPU: one device, ``gloo`` collectives, no memory to manage.
+
+    verl's registry takes a subclass of its ``PlatformBase``; :func:`register_platform` registers one with this class
+    first. This module imports nothing of verl's itself: verl imports the plugin (which registers the platform) at
+    ``import verl``, and a module that imported verl at its top would import itself half-done, whichever comes first.
+    """
 
     @property
     def device_name(self) -> str:
@@ -185,8 +181,13 @@ def register_platform() -> None:
     (``verl/workers/engine_workers.py``). Only with this platform selected, that default becomes ``cpu:gloo``: in
     ``verl.utils.distributed``, and in ``verl.workers.engine_workers`` when it already imported the function.
     """
-    if PlatformRegistry.get(PLATFORM) is not ArcticCPUPlatform:
-        PlatformRegistry.register(platform=PLATFORM)(ArcticCPUPlatform)
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    registered = PlatformRegistry.get(PLATFORM)
+    if registered is None or not issubclass(registered, ArcticCPUPlatform):
+        platform = type("ArcticCPUPlatform", (ArcticCPUPlatform, PlatformBase), {"__module__": __name__})
+        PlatformRegistry.register(platform=PLATFORM)(platform)
     if os.environ.get("VERL_PLATFORM", "").strip().lower() != PLATFORM:
         return
     modules = [importlib.import_module("verl.utils.distributed")]
