@@ -10,6 +10,11 @@ Load it in verl's environment with ``VERL_USE_EXTERNAL_MODULES=arctic_rl.integra
 - ``ArcticRolloutReplica`` with verl's ``RolloutReplicaRegistry`` as ``'arctic'`` (``rollout.name=arctic``): a Ray
   actor that answers verl's token-in/token-out ``generate`` through the client's ``generate``.
 
+It also registers ``arctic_rl.integrations.verl_weights.ArcticRollout`` as verl's in-process rollout for
+``rollout.name=arctic`` and the ``arctic_cpu`` platform (:mod:`arctic_rl.integrations.verl_platform`); verl's
+``main_ppo`` trainer additionally takes ``actor_rollout_ref.rollout.checkpoint_manager_class=``
+``arctic_rl.integrations.verl_weights.ArcticCheckpointEngineManager`` (see the package README).
+
 The engines run in their own environment (``arctic-rl-serve``, or a Ray service): verl pins transformers<5.11,
 which they cannot use. Every verl process connects its own client, configured by the ``ARCTIC_RL_*`` environment
 variables (:class:`~arctic_rl.integrations.verl_mapping.ArcticConnection`). Tested with verl 0.9.1.
