@@ -281,6 +281,8 @@ def dedup_triton(session: nox.Session, triton: str) -> None:
 VERL_VERSION = "0.9.1"
 # Engine-side packages the verl environment must not hold: it reaches the engines through the thin client only.
 VERL_ENV_ABSENT = ["deepspeed", "vllm", "arctic_dedup", "arctic_zorro_train", "arctic_fca"]
+# What verl 0.9.1's trainer (verl.trainer.main_ppo) imports without declaring it: its rollout router and LLM server.
+VERL_TRAINER_UNDECLARED = ["cachetools", "fastapi", "uvicorn"]
 
 
 @nox.session(python="3.11")
@@ -303,12 +305,12 @@ def verl_integration(session: nox.Session) -> None:
         )  # fmt: skip
     # verl's own pins (transformers, numpy>=2) replace the full stack's; torch stays the CPU build on CPU machines.
     session.install(
-        *_constraints_without(session, "transformers", "vllm"), f"verl=={VERL_VERSION}",
+        *_constraints_without(session, "transformers", "vllm"), f"verl=={VERL_VERSION}", *VERL_TRAINER_UNDECLARED,
         str(ROOT / "packages" / "arctic-rl"), *TEST_TOOLS,
     )  # fmt: skip
     # Fail here, not skip later, when verl or the plugin does not import; and keep the engines out of this env.
     probe = (
-        "import importlib.util, sys; import verl, arctic_rl.integrations.verl;"
+        "import importlib.util, sys; import verl, arctic_rl.integrations.verl, verl.trainer.main_ppo_v0;"
         f"assert verl.__version__ == {VERL_VERSION!r}, verl.__version__;"
         f"installed = [m for m in {VERL_ENV_ABSENT!r} if importlib.util.find_spec(m)];"
         "sys.exit(f'the verl env holds engine packages {installed}' if installed else 0)"

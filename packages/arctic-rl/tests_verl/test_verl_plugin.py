@@ -15,15 +15,12 @@ import functools
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
@@ -41,7 +38,6 @@ from verl.workers.rollout.replica import get_rollout_replica_class  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
-from arctic_rl import ArcticRLClientConfig  # noqa: E402
 from arctic_rl.integrations.verl import ArcticRolloutReplica, ArcticTrainingEngine  # noqa: E402
 
 PROMPTS = [[(5 * index + 11 * row) % 250 + 1 for index in range(length)] for row, length in enumerate((12, 7, 16))]
@@ -50,70 +46,6 @@ PROMPT_LENGTH = 16
 PAD = 256  # the byte tokenizer's <|endoftext|>
 EXACT = 1e-5  # fp32 log-prob agreement, the project's bound
 SERVER_START_S = 420
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def engines_python() -> str:
-    python = os.environ.get("ARCTIC_RL_ENGINES_PYTHON")
-    if not python or not Path(python).exists():
-        pytest.fail(
-            "ARCTIC_RL_ENGINES_PYTHON must name the Python of an environment holding arctic-rl[engines] and vLLM "
-            f"(got {python!r}); `nox -s verl_integration` builds one and sets it."
-        )
-    return python
-
-
-@pytest.fixture(scope="module")
-def server(engines_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A tiny random-init Qwen3 served by ``arctic_rl.serve`` from the engines' environment, on the CPU."""
-    root = tmp_path_factory.mktemp("verl")
-    model_dir = root / "tiny-qwen3"
-    build = f"from arctic_rl.testing import save_tiny_qwen3; save_tiny_qwen3({str(model_dir)!r}, seed=3)"
-    subprocess.run([engines_python, "-c", build], check=True)
-    config = ArcticRLClientConfig(
-        model_name=str(model_dir),
-        device="cpu",
-        dtype="float32",
-        seed=0,
-        full_determinism=True,
-        colocate=False,
-        checkpoint_path=str(root / "checkpoints"),
-        training={"lr": 1e-2, "zero_stage": 2, "max_grad_norm": 1.0},
-        sampling={"max_model_len": 64, "kv_cache_space_gib": 1, "engine_args": {"block_size": 32}},
-    )
-    config_file = root / "config.json"
-    config_file.write_text(config.model_dump_json())
-    port = free_port()
-    command = [engines_python, "-m", "arctic_rl.serve", "--config", str(config_file), "--port", str(port)]
-    command += ["--placement-override", "cpus_per_cpu_worker=0.25"]
-    log_path = root / "server.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            assert process.poll() is None, f"the server exited ({process.returncode}):\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"no /health within {SERVER_START_S} s:\n{log_path.read_text()}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        yield {"port": port, "model_dir": model_dir, "config_file": config_file}
-    finally:
-        try:
-            httpx.post(f"http://127.0.0.1:{port}/v1/shutdown", timeout=30)
-            process.wait(timeout=60)
-        except (httpx.HTTPError, subprocess.TimeoutExpired):
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 @pytest.fixture

@@ -10,6 +10,11 @@ Load it in verl's environment with ``VERL_USE_EXTERNAL_MODULES=arctic_rl.integra
 - ``ArcticRolloutReplica`` with verl's ``RolloutReplicaRegistry`` as ``'arctic'`` (``rollout.name=arctic``): a Ray
   actor that answers verl's token-in/token-out ``generate`` through the client's ``generate``.
 
+It also registers ``arctic_rl.integrations.verl_weights.ArcticRollout`` as verl's in-process rollout for
+``rollout.name=arctic`` and the ``arctic_cpu`` platform (:mod:`arctic_rl.integrations.verl_platform`); verl's
+``main_ppo`` trainer additionally takes ``actor_rollout_ref.rollout.checkpoint_manager_class=``
+``arctic_rl.integrations.verl_weights.ArcticCheckpointEngineManager`` (see the package README).
+
 The engines run in their own environment (``arctic-rl-serve``, or a Ray service): verl pins transformers<5.11,
 which they cannot use. Every verl process connects its own client, configured by the ``ARCTIC_RL_*`` environment
 variables (:class:`~arctic_rl.integrations.verl_mapping.ArcticConnection`). Tested with verl 0.9.1.
@@ -24,9 +29,14 @@ from contextlib import contextmanager
 from typing import Any
 
 try:
+    # Before verl's engine modules: they resolve verl's platform at import, and VERL_PLATFORM may name this one.
+    from arctic_rl.integrations.verl_platform import register_platform
+
+    register_platform()
     from omegaconf import DictConfig
     from verl.utils.tensordict_utils import get_non_tensor_data
     from verl.workers.engine import BaseEngine, EngineRegistry
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
     from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
 except ImportError as error:
     raise ImportError(
@@ -196,8 +206,9 @@ class ArcticTrainingEngine(BaseEngine):  # type: ignore[misc]
     def _weights_stay_remote(self, method: str) -> NotImplementedError:
         return NotImplementedError(
             f"{method}: the weights stay in the arctic-rl server and are never exported to verl's process; sync them "
-            "to the samplers with ArcticTrainingEngine.sync_weights() (the client's sync_weights()), and sample "
-            "with rollout.name=arctic."
+            "to the samplers with ArcticTrainingEngine.sync_weights() (the client's sync_weights()); in verl's "
+            "trainer set actor_rollout_ref.rollout.checkpoint_manager_class="
+            "arctic_rl.integrations.verl_weights.ArcticCheckpointEngineManager and rollout.name=arctic."
         )
 
     def get_per_tensor_param(self, **kwargs: Any) -> tuple[Generator[Any, None, None], dict[str, Any] | None]:
@@ -277,6 +288,7 @@ class ArcticRolloutServer:
         self._client = connection.connect(model_name)
         self._max_prompt_length = max_prompt_length
         self._max_response_length = max_response_length
+        self._in_flight = 0
 
     def _generate(self, prompt_ids: list[int], sampling_params: Mapping[str, Any]) -> TokenOutput:
         params, wants_log_probs = to_client_sampling_params(
@@ -310,7 +322,11 @@ class ArcticRolloutServer:
                 f"{[*media, *sorted(kwargs)]}."
             )
         # The blocking client runs in a thread so this async actor keeps taking verl's concurrent requests.
-        return await asyncio.to_thread(self._generate, prompt_ids, sampling_params)
+        self._in_flight += 1
+        try:
+            return await asyncio.to_thread(self._generate, prompt_ids, sampling_params)
+        finally:
+            self._in_flight -= 1
 
     async def wake_up(self) -> None:
         await asyncio.to_thread(self._client.wake_inference)
@@ -322,19 +338,23 @@ class ArcticRolloutServer:
         await asyncio.to_thread(self._client.reset_prefix_cache)
 
     async def abort_all_requests(self, reject_request: bool = False) -> None:
-        raise NotImplementedError(
-            "the arctic-rl sampler runs every generate() to completion and cannot abort requests (partial "
-            "rollouts); use verl's fully synchronous trainer with rollout.name=arctic."
-        )
+        """Nothing to abort when no ``generate`` is in flight (verl's synchronous trainer calls this between steps);
+        a running request cannot be cut short, so that case is refused."""
+        if self._in_flight:
+            raise NotImplementedError(
+                f"the arctic-rl sampler runs every generate() to completion and cannot abort the {self._in_flight} "
+                "in flight (partial rollouts); use verl's synchronous trainer with rollout.name=arctic."
+            )
 
     async def resume_generation(self) -> None:
-        raise NotImplementedError("the arctic-rl sampler never pauses generation; there is nothing to resume.")
+        """Generation is never paused (``abort_all_requests`` only succeeds with nothing in flight)."""
 
     async def release_kv_cache(self) -> None:
-        raise NotImplementedError("the arctic-rl sampler frees its KV cache with sleep() (sleep_inference).")
+        """The sampler's KV cache is freed by putting it to sleep (the client's ``sleep_inference(1)``)."""
+        await asyncio.to_thread(self._client.sleep_inference, 1)
 
     async def resume_kv_cache(self) -> None:
-        raise NotImplementedError("the arctic-rl sampler restores its KV cache with wake_up() (wake_inference).")
+        await asyncio.to_thread(self._client.wake_inference)
 
     async def start_profile(self, **kwargs: Any) -> None:
         raise NotImplementedError("profile the arctic-rl server's engines in their own process.")
@@ -402,6 +422,9 @@ def register() -> None:
     if BACKEND not in backends:
         EngineRegistry.register(model_type="language_model", backend=BACKEND, device=_DEVICES)(ArcticTrainingEngine)
     RolloutReplicaRegistry.register(BACKEND, lambda: ArcticRolloutReplica)
+    # verl's hybrid worker builds an in-process rollout by (name, mode), imported by dotted path when first used.
+    _ROLLOUT_REGISTRY[(BACKEND, "async")] = "arctic_rl.integrations.verl_weights.ArcticRollout"
+    register_platform()
 
 
 register()
