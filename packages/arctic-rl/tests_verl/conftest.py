@@ -54,6 +54,7 @@ def server(engines_python: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         seed=0,
         full_determinism=True,
         colocate=False,
+        log_prob_gpus=1,  # the reference policy's engine (verl's KL loss)
         checkpoint_path=str(root / "checkpoints"),
         training={"lr": 1e-2, "zero_stage": 2, "max_grad_norm": 1.0},
         sampling={"max_model_len": 64, "kv_cache_space_gib": 1, "engine_args": {"block_size": 32}},

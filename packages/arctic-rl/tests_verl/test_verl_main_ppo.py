@@ -1,6 +1,7 @@
 """verl's own trainer, ``python -m verl.trainer.main_ppo``, runs GRPO steps with the Arctic engine and replica against
-the running arctic-rl server, on the CPU: a tiny parquet dataset and a rule reward made here, two steps, and after
-each update the samplers hold the trainer's weights (synced inside the server by ``ArcticCheckpointEngineManager``).
+the running arctic-rl server, on the CPU: a tiny parquet dataset and a rule reward made here, two steps with GRPO's
+KL loss to the reference policy (the server's reference engine), and after each update the samplers hold the
+trainer's weights (synced inside the server by ``ArcticCheckpointEngineManager``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def main_ppo_command(task: dict[str, Path], output: Path) -> list[str]:
         "data.max_prompt_length=16", "data.max_response_length=6",
         f"actor_rollout_ref.model.path={task['model']}",
         "actor_rollout_ref.actor.strategy=arctic", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        # GRPO's usual KL loss to the reference policy: the server's reference engine (log_prob_gpus=1).
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.name=arctic", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
@@ -141,6 +145,11 @@ def test_main_ppo_runs_grpo_steps_on_the_arctic_engines(server: dict[str, Any], 
         assert math.isfinite(metrics["actor/grad_norm"])
         assert metrics["response_length/mean"] == 6
     assert any(metrics["actor/grad_norm"] > 0 for metrics in steps), "no step moved the weights"
+    # The KL loss reads the server's reference engine, which keeps the initial weights: zero before the first
+    # update (policy == reference), positive after it (only the policy moved).
+    assert all("timing_s/ref" in metrics for metrics in steps), "verl computed no reference log-probs"
+    assert steps[0]["actor/kl"] <= EXACT, steps[0]["actor/kl"]
+    assert steps[1]["actor/kl"] > 1e-4, steps[1]["actor/kl"]
 
     norms = client.weight_norm()
     assert norms["training_norm"] != pytest.approx(before, rel=1e-12), "the trainer's weights did not change"
