@@ -190,4 +190,8 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci_lines = [line for line in (root / ".ci" / "run").read_text().splitlines() if line.startswith("uvx nox")]
     assert len(commands) == 1 and ci_lines == commands, (commands, ci_lines)
     assert len(main_job) == 1, nox_lines
-    assert "def main_job(session" in (root / "noxfile.py").read_text()
+    noxfile = (root / "noxfile.py").read_text()
+    assert "def main_job(session" in noxfile
+    # The nox that bench_checks installs (for the main job's set-up tests) is the one the commands run.
+    (pinned,) = re.findall(r'NOX_REQUIREMENT = "nox==([^"]+)"', noxfile)
+    assert all(line.startswith(f"uvx nox@{pinned} ") for line in nox_lines + ci_lines), (pinned, nox_lines)
