@@ -7,7 +7,7 @@ kernel's launcher with its arguments prebuilt, the Python pieces of a replay (la
 lookups, hook checks), and two references (one torch launch, an empty Triton kernel through its launcher). Last, a
 cProfile of 360 calls. If the launches alone are near the goal, only fewer launches or fewer arguments move it.
 
-Run on a GPU:  python benchmarks/lab/fca_host_issue_probe.py > fca_host_issue_probe.txt   (about 40 s)
+Run on a GPU:  python benchmarks/lab/fca_host_issue_probe.py > fca_host_issue_probe.txt
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fca_decode as fd
+from common import host_issue_us
 
 from arctic_dedup.forest import _replay
 from arctic_dedup.forest._launch import replay_forest_decode
@@ -36,17 +36,8 @@ CALLS = 360
 
 
 def host_us(fn: Callable[[], Any], calls: int = CALLS) -> float:
-    """Median host microseconds of ``fn``, each call started on an idle device (3 x ``calls`` calls)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3 * calls):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - began) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    """Median host microseconds of ``fn``, each call started on an idle device (fca_decode's method)."""
+    return host_issue_us([fn] * calls)["host_issue_us_per_call"]
 
 
 def python_us(fn: Callable[[], Any], calls: int = 20000) -> float:
