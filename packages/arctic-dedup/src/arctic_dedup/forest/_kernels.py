@@ -673,40 +673,53 @@ def _prefix_item(
         suffix_count = tl.load(work_start_ptr + num_requests + member + 1, mask=counts_member, other=0) - suffix_first
         completes = counts_member & (done_before == item_count + suffix_count - 1)
         if tl.sum(completes.to(tl.int32), 0) > 0:
-            suffix_origin = tl.load(work_start_ptr + num_requests)
-            for slot in range(0, member_count):
-                at_slot = rows == slot * (QMAX * G)
-                if tl.sum((at_slot & completes).to(tl.int32), 0) > 0:
-                    _complete_request(
-                        out_ptr,
-                        lse_ptr,
-                        query_start_ptr,
-                        part_out_ptr,
-                        part_lse_ptr,
-                        suffix_part_out_ptr,
-                        suffix_part_lse_ptr,
-                        ready_ptr,
-                        tl.sum(tl.where(at_slot, member, 0), 0),
-                        kv_head,
-                        slot,
-                        work - item,
-                        item_count,
-                        tl.sum(tl.where(at_slot, suffix_first, 0), 0) - suffix_origin,
-                        tl.sum(tl.where(at_slot, suffix_count, 0), 0),
-                        stride_out_token,
-                        stride_out_head,
-                        stride_out_dim,
-                        stride_lse_token,
-                        stride_lse_head,
-                        head_dim,
-                        num_kv_heads,
-                        G,
-                        QMAX,
-                        BLOCK_M,
-                        ROWS,
-                        MERGE_CHUNK,
-                        HEAD_DIM,
-                    )
+            tl.atomic_xchg(ready_ptr + member * num_kv_heads + kv_head, 0, mask=completes, sem="relaxed")
+            # Every row of a member this item completed (its count sits on the member's first-row lane) merges at
+            # once: the tile's prefix partials, then the member's own suffix partials, one item per step.
+            same_member = member_slot[:, None] == member_slot[None, :]
+            merging = row_ok & (tl.max(tl.where(same_member & completes[None, :], 1, 0), 1) > 0)
+            own_first = tl.load(work_start_ptr + num_requests + member, mask=merging, other=0)
+            own_count = tl.load(work_start_ptr + num_requests + member + 1, mask=merging, other=0) - own_first
+            own_base = own_first - tl.load(work_start_ptr + num_requests)
+            within = rows % (QMAX * G)
+            run_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            steps = item_count + tl.max(tl.where(merging, own_count, 0), 0)
+            for index in range(0, steps):
+                from_prefix = index < item_count
+                take = merging & (from_prefix | (index - item_count < own_count))
+                prefix_at = ((work - item + index).to(tl.int64) * num_kv_heads + kv_head) * BLOCK_M + rows
+                suffix_at = ((own_base + index - item_count).to(tl.int64) * num_kv_heads + kv_head) * ROWS + within
+                lse_at = tl.where(from_prefix, part_lse_ptr + prefix_at, suffix_part_lse_ptr + suffix_at)
+                out_at = tl.where(
+                    from_prefix, part_out_ptr + prefix_at[:, None] * head_dim, suffix_part_out_ptr + suffix_at[:, None] * head_dim
+                )
+                part_lse = tl.load(lse_at, mask=take, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(
+                    out_at + dims[None, :], mask=take[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg"
+                )
+                new_max = tl.maximum(run_max, part_lse)
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                old_scale = tl.exp(run_max - shift)
+                part_scale = tl.exp(part_lse - shift)
+                run_sum = run_sum * old_scale + part_scale
+                # A partial with lse = -inf saw no key; its (unwritten) output must not reach the sum, even as 0 * NaN.
+                acc = acc * old_scale[:, None] + tl.where(part_scale[:, None] > 0.0, part * part_scale[:, None], 0.0)
+                run_max = new_max
+            has_keys = run_sum > 0.0
+            safe_sum = tl.where(has_keys, run_sum, 1.0)
+            out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
+            tl.store(
+                out_ptr + out_offsets + dims[None, :].to(tl.int64) * stride_out_dim,
+                (acc / safe_sum[:, None]).to(out_ptr.dtype.element_ty),
+                mask=merging[:, None] & dim_ok[None, :],
+            )
+            tl.store(
+                lse_ptr + token * stride_lse_token + head.to(tl.int64) * stride_lse_head,
+                tl.where(has_keys, run_max + tl.log(safe_sum), float("-inf")),
+                mask=merging,
+            )
 
 
 @triton.jit
