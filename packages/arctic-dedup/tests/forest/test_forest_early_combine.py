@@ -15,8 +15,7 @@ from test_forest_decode import SMALL, _assert_close, _paged_plan, _plan, _poison
 from arctic_dedup._triton_support import Backend
 from arctic_dedup.forest import ForestKernelConfig, ForestPlan
 from arctic_dedup.forest import plan as plan_module
-from arctic_dedup.forest import _launch as launch_module
-from arctic_dedup.forest._launch import allocate_partials, launch_attention, launch_forest_decode
+from arctic_dedup.forest._launch import allocate_partials, launch_attention, launch_combine, launch_forest_decode
 from arctic_dedup.forest.plan import default_forest_config
 from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
 
@@ -71,28 +70,22 @@ def test_early_combine_matches_reference_and_leaves_counts_zero(
         assert not plan.combine_ready.any()
 
 
-@pytest.mark.parametrize("pass_order", [(0,), (1, 2), (2, 1)])
-def test_the_item_that_completes_a_count_merges_its_request(
-    pass_order: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Groups of one and of several, tiles of several members, split prefixes and suffixes, a request read whole. The
-    # attention launch alone leaves every output final and every count zero. The interpreter runs programs in order,
-    # so the last item of a request is a suffix item; with the suffix pass launched first, prefix items complete
-    # the counts instead, each merging every member of its tile that it completes.
+@pytest.mark.parametrize("split_passes", [False, True])
+def test_attention_counts_every_item_per_request_and_the_combine_clears_them(split_passes: bool) -> None:
+    # Groups of one and of several, tiles of several members, split prefixes and suffixes, a request read whole.
     batch = make_decode_batch(
         [70, 45, 33], [[40, 9, 0, 3], [12, 1, 7], [2]], query_lens=[[1, 2, 1, 1], [3, 1, 1], [1]], queries_per_kv=2
     )
-    config = replace(EARLY, waves=8.0, split_passes=pass_order != (0,))
-    if pass_order != (0,):
-        monkeypatch.setattr(launch_module, "SPLIT_PASS_ORDER", pass_order)
+    config = replace(EARLY, combine_dim_block=16, combine_num_warps=1, waves=8.0, split_passes=split_passes)
     plan = _plan(batch, 2, config=config)
     expected = _expected_counts(plan)
     assert expected.max() > 1 and (expected == 0).any(), "the batch must hold merged and directly written requests"
-    assert (plan.tile_member_count > 1).any(), "the batch must hold tiles of several members"
     out, lse = _poisoned(batch)
     scale = batch.query.shape[2] ** -0.5
     partials = allocate_partials(plan, batch.query.shape[2], batch.query.device)
     launch_attention(batch.query, batch.key_cache, batch.value_cache, plan, scale, out, lse, partials)
+    assert torch.equal(plan.combine_ready, expected)
+    launch_combine(out, lse, plan, partials, batch.query.shape[2])
     assert not plan.combine_ready.any()
     _assert_close(out, lse, _reference(batch, scale), 1e-5)
 

@@ -551,14 +551,9 @@ def _prefix_item(
     tile_member_start_ptr,
     tile_member_count_ptr,
     member_list_ptr,
-    work_start_ptr,
     split_tokens_ptr,
-    out_ptr,
-    lse_ptr,
     part_out_ptr,
     part_lse_ptr,
-    suffix_part_out_ptr,
-    suffix_part_lse_ptr,
     ready_ptr,
     tile,
     item,
@@ -578,25 +573,17 @@ def _prefix_item(
     stride_v_head,
     stride_v_dim,
     stride_table_row,
-    stride_out_token,
-    stride_out_head,
-    stride_out_dim,
-    stride_lse_token,
-    stride_lse_head,
-    num_requests,
     head_dim,
     num_kv_heads,
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
 ):
     split_tokens = tl.load(split_tokens_ptr)
     leader = tl.load(tile_leader_ptr + tile).to(tl.int64)
@@ -663,63 +650,10 @@ def _prefix_item(
     tl.store(part_lse_ptr + row_index, lse, mask=row_ok)
     if EARLY:
         # Every thread's partial rows are stored before any count is released, then each member of the tile counts
-        # this item done (its first row's lane); the item that completes a member's count merges that member.
+        # this item done (its first row's lane).
         tl.debug_barrier()
         counts_member = member_ok & (rows % (QMAX * G) == 0)
-        done_before = tl.atomic_add(
-            ready_ptr + member * num_kv_heads + kv_head, 1, mask=counts_member, sem="acq_rel"
-        )
-        suffix_first = tl.load(work_start_ptr + num_requests + member, mask=counts_member, other=0)
-        suffix_count = tl.load(work_start_ptr + num_requests + member + 1, mask=counts_member, other=0) - suffix_first
-        completes = counts_member & (done_before == item_count + suffix_count - 1)
-        if tl.sum(completes.to(tl.int32), 0) > 0:
-            tl.atomic_xchg(ready_ptr + member * num_kv_heads + kv_head, 0, mask=completes, sem="relaxed")
-            # Every row of a member this item completed (its count sits on the member's first-row lane) merges at
-            # once: the tile's prefix partials, then the member's own suffix partials, one item per step.
-            same_member = member_slot[:, None] == member_slot[None, :]
-            merging = row_ok & (tl.max(tl.where(same_member & completes[None, :], 1, 0), 1) > 0)
-            own_first = tl.load(work_start_ptr + num_requests + member, mask=merging, other=0)
-            own_count = tl.load(work_start_ptr + num_requests + member + 1, mask=merging, other=0) - own_first
-            own_base = own_first - tl.load(work_start_ptr + num_requests)
-            within = rows % (QMAX * G)
-            run_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            steps = item_count + tl.max(tl.where(merging, own_count, 0), 0)
-            for index in range(0, steps):
-                from_prefix = index < item_count
-                take = merging & (from_prefix | (index - item_count < own_count))
-                prefix_at = ((work - item + index).to(tl.int64) * num_kv_heads + kv_head) * BLOCK_M + rows
-                suffix_at = ((own_base + index - item_count).to(tl.int64) * num_kv_heads + kv_head) * ROWS + within
-                lse_at = tl.where(from_prefix, part_lse_ptr + prefix_at, suffix_part_lse_ptr + suffix_at)
-                out_at = tl.where(
-                    from_prefix, part_out_ptr + prefix_at[:, None] * head_dim, suffix_part_out_ptr + suffix_at[:, None] * head_dim
-                )
-                part_lse = tl.load(lse_at, mask=take, other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(
-                    out_at + dims[None, :], mask=take[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg"
-                )
-                new_max = tl.maximum(run_max, part_lse)
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                old_scale = tl.exp(run_max - shift)
-                part_scale = tl.exp(part_lse - shift)
-                run_sum = run_sum * old_scale + part_scale
-                # A partial with lse = -inf saw no key; its (unwritten) output must not reach the sum, even as 0 * NaN.
-                acc = acc * old_scale[:, None] + tl.where(part_scale[:, None] > 0.0, part * part_scale[:, None], 0.0)
-                run_max = new_max
-            has_keys = run_sum > 0.0
-            safe_sum = tl.where(has_keys, run_sum, 1.0)
-            out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
-            tl.store(
-                out_ptr + out_offsets + dims[None, :].to(tl.int64) * stride_out_dim,
-                (acc / safe_sum[:, None]).to(out_ptr.dtype.element_ty),
-                mask=merging[:, None] & dim_ok[None, :],
-            )
-            tl.store(
-                lse_ptr + token * stride_lse_token + head.to(tl.int64) * stride_lse_head,
-                tl.where(has_keys, run_max + tl.log(safe_sum), float("-inf")),
-                mask=merging,
-            )
+        tl.atomic_add(ready_ptr + member * num_kv_heads + kv_head, 1, mask=counts_member, sem="release")
 
 
 @triton.jit
@@ -732,13 +666,9 @@ def _suffix_item(
     seq_lens_ptr,
     prefix_blocks_ptr,
     tile_of_ptr,
-    slot_in_tile_ptr,
-    work_start_ptr,
     split_tokens_ptr,
     out_ptr,
     lse_ptr,
-    prefix_part_out_ptr,
-    prefix_part_lse_ptr,
     part_out_ptr,
     part_lse_ptr,
     ready_ptr,
@@ -771,7 +701,6 @@ def _suffix_item(
     G: tl.constexpr,
     QMAX: tl.constexpr,
     PAGE: tl.constexpr,
-    PREFIX_BLOCK_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -779,7 +708,6 @@ def _suffix_item(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
 ):
     split_tokens = tl.load(split_tokens_ptr + 1)
     seq_len = tl.load(seq_lens_ptr + request)
@@ -836,10 +764,9 @@ def _suffix_item(
         DOT_PRECISION,
     )
     out, lse = _finish_rows(m_i, l_i, acc)
-    tile = tl.full([], -1, dtype=tl.int32)
+    direct = item_count == 1
     if HAS_PREFIX:
-        tile = tl.load(tile_of_ptr + request)
-    direct = (item_count == 1) & (tile < 0)
+        direct = direct & (tl.load(tile_of_ptr + request) < 0)
     if direct:
         # The request's whole context was this one item: this is the final result (the combine skips it).
         out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
@@ -856,47 +783,8 @@ def _suffix_item(
         )
         tl.store(part_lse_ptr + row_index, lse, mask=row_ok)
         if EARLY:
-            # Stored by every thread before the count; the item that completes the request's count merges it.
             tl.debug_barrier()
-            done_before = tl.atomic_add(ready_ptr + request * num_kv_heads + kv_head, 1, sem="acq_rel")
-            prefix_first = tl.zeros([], dtype=tl.int32)
-            prefix_count = tl.zeros([], dtype=tl.int32)
-            slot = tl.zeros([], dtype=tl.int32)
-            if tile >= 0:
-                prefix_first = tl.load(work_start_ptr + tile)
-                prefix_count = tl.load(work_start_ptr + tile + 1) - prefix_first
-                slot = tl.load(slot_in_tile_ptr + request)
-            if done_before == prefix_count + item_count - 1:
-                _complete_request(
-                    out_ptr,
-                    lse_ptr,
-                    query_start_ptr,
-                    prefix_part_out_ptr,
-                    prefix_part_lse_ptr,
-                    part_out_ptr,
-                    part_lse_ptr,
-                    ready_ptr,
-                    request,
-                    kv_head,
-                    slot,
-                    prefix_first,
-                    prefix_count,
-                    suffix_work - item,
-                    item_count,
-                    stride_out_token,
-                    stride_out_head,
-                    stride_out_dim,
-                    stride_lse_token,
-                    stride_lse_head,
-                    head_dim,
-                    num_kv_heads,
-                    G,
-                    QMAX,
-                    PREFIX_BLOCK_M,
-                    ROWS,
-                    MERGE_CHUNK,
-                    HEAD_DIM,
-                )
+            tl.atomic_add(ready_ptr + request * num_kv_heads + kv_head, 1, sem="release")
 
 
 @triton.jit
@@ -909,7 +797,6 @@ def _run_item(
     seq_lens_ptr,
     prefix_blocks_ptr,
     tile_of_ptr,
-    slot_in_tile_ptr,
     tile_leader_ptr,
     tile_prefix_blocks_ptr,
     tile_member_start_ptr,
@@ -959,7 +846,6 @@ def _run_item(
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
     EARLY: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
     ends,
     prefix_total,
     work,
@@ -992,14 +878,9 @@ def _run_item(
             tile_member_start_ptr,
             tile_member_count_ptr,
             member_list_ptr,
-            work_start_ptr,
             split_tokens_ptr,
-            out_ptr,
-            lse_ptr,
             prefix_part_out_ptr,
             prefix_part_lse_ptr,
-            suffix_part_out_ptr,
-            suffix_part_lse_ptr,
             ready_ptr,
             owner,
             item,
@@ -1019,25 +900,17 @@ def _run_item(
             stride_v_head,
             stride_v_dim,
             stride_table_row,
-            stride_out_token,
-            stride_out_head,
-            stride_out_dim,
-            stride_lse_token,
-            stride_lse_head,
-            num_requests,
             head_dim,
             num_kv_heads,
             G,
             QMAX,
             PAGE,
             PREFIX_BLOCK_M,
-            ROWS,
             PREFIX_BLOCK_N,
             HEAD_DIM,
             UPCAST,
             DOT_PRECISION,
             EARLY,
-            MERGE_CHUNK,
         )
     else:
         _suffix_item(
@@ -1049,13 +922,9 @@ def _run_item(
             seq_lens_ptr,
             prefix_blocks_ptr,
             tile_of_ptr,
-            slot_in_tile_ptr,
-            work_start_ptr,
             split_tokens_ptr,
             out_ptr,
             lse_ptr,
-            prefix_part_out_ptr,
-            prefix_part_lse_ptr,
             suffix_part_out_ptr,
             suffix_part_lse_ptr,
             ready_ptr,
@@ -1088,7 +957,6 @@ def _run_item(
             G,
             QMAX,
             PAGE,
-            PREFIX_BLOCK_M,
             SUFFIX_BLOCK_M,
             ROWS,
             SUFFIX_BLOCK_N,
@@ -1096,7 +964,6 @@ def _run_item(
             UPCAST,
             DOT_PRECISION,
             EARLY,
-            MERGE_CHUNK,
         )
 
 
@@ -1110,7 +977,6 @@ def forest_attention_kernel(
     seq_lens_ptr,
     prefix_blocks_ptr,
     tile_of_ptr,
-    slot_in_tile_ptr,
     tile_leader_ptr,
     tile_prefix_blocks_ptr,
     tile_member_start_ptr,
@@ -1161,7 +1027,6 @@ def forest_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr,
     EARLY: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _follow_previous_launch(PDL)
@@ -1191,7 +1056,6 @@ def forest_attention_kernel(
             seq_lens_ptr,
             prefix_blocks_ptr,
             tile_of_ptr,
-            slot_in_tile_ptr,
             tile_leader_ptr,
             tile_prefix_blocks_ptr,
             tile_member_start_ptr,
@@ -1241,175 +1105,12 @@ def forest_attention_kernel(
             DOT_PRECISION,
             PASS,
             EARLY,
-            MERGE_CHUNK,
             ends,
             prefix_total,
             work,
             kv_head,
         )
     _end_after_previous_launch(PDL)
-
-
-@triton.jit
-def _complete_request(
-    out_ptr,
-    lse_ptr,
-    query_start_ptr,
-    prefix_part_out_ptr,
-    prefix_part_lse_ptr,
-    suffix_part_out_ptr,
-    suffix_part_lse_ptr,
-    ready_ptr,
-    request,
-    kv_head,
-    slot,
-    prefix_first,
-    prefix_count,
-    suffix_base,
-    suffix_count,
-    stride_out_token,
-    stride_out_head,
-    stride_out_dim,
-    stride_lse_token,
-    stride_lse_head,
-    head_dim,
-    num_kv_heads,
-    G: tl.constexpr,
-    QMAX: tl.constexpr,
-    PREFIX_BLOCK_M: tl.constexpr,
-    ROWS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    # Run by the item that completed the request's count: the acquire of that count made every other item's partial
-    # visible; the count is zero again for the next decode call of the plan.
-    tl.atomic_xchg(ready_ptr + request * num_kv_heads + kv_head, 0, sem="relaxed")
-    query_begin = tl.load(query_start_ptr + request)
-    query_len = tl.load(query_start_ptr + request + 1) - query_begin
-    _merge_partials(
-        out_ptr,
-        lse_ptr,
-        prefix_part_out_ptr,
-        prefix_part_lse_ptr,
-        suffix_part_out_ptr,
-        suffix_part_lse_ptr,
-        query_begin,
-        query_len,
-        prefix_first,
-        prefix_count,
-        suffix_base,
-        suffix_count,
-        slot,
-        kv_head,
-        0,
-        stride_out_token,
-        stride_out_head,
-        stride_out_dim,
-        stride_lse_token,
-        stride_lse_head,
-        head_dim,
-        num_kv_heads,
-        G,
-        QMAX,
-        PREFIX_BLOCK_M,
-        ROWS,
-        CHUNK,
-        HEAD_DIM,
-        ".cg",
-    )
-
-
-@triton.jit
-def _merge_partials(
-    out_ptr,
-    lse_ptr,
-    prefix_part_out_ptr,
-    prefix_part_lse_ptr,
-    suffix_part_out_ptr,
-    suffix_part_lse_ptr,
-    query_begin,
-    query_len,
-    prefix_first,
-    prefix_count,
-    suffix_base,
-    suffix_count,
-    slot,
-    kv_head,
-    dim_chunk,
-    stride_out_token,
-    stride_out_head,
-    stride_out_dim,
-    stride_lse_token,
-    stride_lse_head,
-    head_dim,
-    num_kv_heads,
-    G: tl.constexpr,
-    QMAX: tl.constexpr,
-    PREFIX_BLOCK_M: tl.constexpr,
-    ROWS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    DIM_BLOCK: tl.constexpr,
-    LOAD_CACHE: tl.constexpr,
-):
-    # One request's rows for one kv head and one slice of DIM_BLOCK head dims: its tile's prefix partials (its slot's
-    # rows of each prefix item) and its own suffix partials, merged by log-sum-exp in item order.
-    rows = tl.arange(0, ROWS)
-    query_offset = rows // G
-    head = kv_head * G + rows % G
-    row_ok = (query_offset < query_len) & (rows < QMAX * G)
-    dims = dim_chunk * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
-    dim_ok = dims < head_dim
-
-    run_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    run_sum = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, DIM_BLOCK], dtype=tl.float32)
-    # Every partial of a chunk is loaded at once, so a long list of splits costs few round trips.
-    for chunk_start in range(0, prefix_count + suffix_count, CHUNK):
-        index = chunk_start + tl.arange(0, CHUNK)
-        item_ok = index < prefix_count + suffix_count
-        from_prefix = (index < prefix_count)[:, None]
-        prefix_row = ((prefix_first + index).to(tl.int64) * num_kv_heads + kv_head) * PREFIX_BLOCK_M + slot * (QMAX * G)
-        suffix_row = ((suffix_base + index - prefix_count).to(tl.int64) * num_kv_heads + kv_head) * ROWS
-        prefix_index = prefix_row[:, None] + rows[None, :]
-        suffix_index = suffix_row[:, None] + rows[None, :]
-        mask = item_ok[:, None] & row_ok[None, :]
-        lse_at = tl.where(from_prefix, prefix_part_lse_ptr + prefix_index, suffix_part_lse_ptr + suffix_index)
-        out_at = tl.where(
-            from_prefix[:, :, None],
-            prefix_part_out_ptr + prefix_index[:, :, None] * head_dim,
-            suffix_part_out_ptr + suffix_index[:, :, None] * head_dim,
-        )
-        part_lse = tl.load(lse_at, mask=mask, other=float("-inf"), cache_modifier=LOAD_CACHE)
-        part = tl.load(
-            out_at + dims[None, None, :],
-            mask=mask[:, :, None] & dim_ok[None, None, :],
-            other=0.0,
-            cache_modifier=LOAD_CACHE,
-        )
-        new_max = tl.maximum(run_max, tl.max(part_lse, 0))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        old_scale = tl.exp(run_max - shift)
-        part_scale = tl.exp(part_lse - shift[None, :])
-        run_sum = run_sum * old_scale + tl.sum(part_scale, 0)
-        # A partial with lse = -inf saw no key; its (unwritten) output must not reach the sum, even as 0 * NaN.
-        weighted = tl.where(part_scale[:, :, None] > 0.0, part * part_scale[:, :, None], 0.0)
-        acc = acc * old_scale[:, None] + tl.sum(weighted, 0)
-        run_max = new_max
-
-    has_keys = run_sum > 0.0
-    safe_sum = tl.where(has_keys, run_sum, 1.0)
-    out = acc / safe_sum[:, None]
-    lse = tl.where(has_keys, run_max + tl.log(safe_sum), float("-inf"))
-    token = (query_begin + query_offset).to(tl.int64)
-    out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
-    tl.store(
-        out_ptr + out_offsets + dims[None, :].to(tl.int64) * stride_out_dim,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
-    lse_offsets = token * stride_lse_token + head.to(tl.int64) * stride_lse_head
-    # The first slice of head dims writes the lse (a select: see the note on ``keep`` in ``_finish_plan``).
-    tl.store(lse_ptr + lse_offsets, lse, mask=tl.where(dim_chunk == 0, row_ok, False))
 
 
 @triton.jit
@@ -1482,37 +1183,61 @@ def forest_combine_kernel(
             while done < prefix_count + suffix_count:
                 _back_off()
                 done = tl.atomic_add(ready_at, 0, sem="acquire")
-        _merge_partials(
-            out_ptr,
-            lse_ptr,
-            part_out_ptr,
-            part_lse_ptr,
-            part_out_ptr + suffix_part_offset.to(tl.int64) * head_dim,
-            part_lse_ptr + suffix_part_offset,
-            query_begin,
-            query_len,
-            prefix_first,
-            prefix_count,
-            suffix_base,
-            suffix_count,
-            slot,
-            kv_head,
-            dim_chunk,
-            stride_out_token,
-            stride_out_head,
-            stride_out_dim,
-            stride_lse_token,
-            stride_lse_head,
-            head_dim,
-            num_kv_heads,
-            G,
-            QMAX,
-            PREFIX_BLOCK_M,
-            ROWS,
-            CHUNK,
-            DIM_BLOCK,
-            LOAD_CACHE,
+        rows = tl.arange(0, ROWS)
+        query_offset = rows // G
+        head = kv_head * G + rows % G
+        row_ok = (query_offset < query_len) & (rows < QMAX * G)
+        dims = dim_chunk * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
+        dim_ok = dims < head_dim
+
+        run_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        run_sum = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, DIM_BLOCK], dtype=tl.float32)
+        # Every partial of a chunk is loaded at once, so a long list of splits costs few round trips.
+        for chunk_start in range(0, prefix_count + suffix_count, CHUNK):
+            index = chunk_start + tl.arange(0, CHUNK)
+            item_ok = index < prefix_count + suffix_count
+            from_prefix = index < prefix_count
+            prefix_row = ((prefix_first + index).to(tl.int64) * num_kv_heads + kv_head) * PREFIX_BLOCK_M + slot * (
+                QMAX * G
+            )
+            suffix_row = (
+                suffix_part_offset + ((suffix_base + index - prefix_count).to(tl.int64) * num_kv_heads + kv_head) * ROWS
+            )
+            base = tl.where(from_prefix, prefix_row, suffix_row)
+            row_index = base[:, None] + rows[None, :]
+            mask = item_ok[:, None] & row_ok[None, :]
+            part_lse = tl.load(part_lse_ptr + row_index, mask=mask, other=float("-inf"), cache_modifier=LOAD_CACHE)
+            part = tl.load(
+                part_out_ptr + row_index[:, :, None] * head_dim + dims[None, None, :],
+                mask=mask[:, :, None] & dim_ok[None, None, :],
+                other=0.0,
+                cache_modifier=LOAD_CACHE,
+            )
+            new_max = tl.maximum(run_max, tl.max(part_lse, 0))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            old_scale = tl.exp(run_max - shift)
+            part_scale = tl.exp(part_lse - shift[None, :])
+            run_sum = run_sum * old_scale + tl.sum(part_scale, 0)
+            # A partial with lse = -inf saw no key; its (unwritten) output must not reach the sum, even as 0 * NaN.
+            weighted = tl.where(part_scale[:, :, None] > 0.0, part * part_scale[:, :, None], 0.0)
+            acc = acc * old_scale[:, None] + tl.sum(weighted, 0)
+            run_max = new_max
+
+        has_keys = run_sum > 0.0
+        safe_sum = tl.where(has_keys, run_sum, 1.0)
+        out = acc / safe_sum[:, None]
+        lse = tl.where(has_keys, run_max + tl.log(safe_sum), float("-inf"))
+        token = (query_begin + query_offset).to(tl.int64)
+        out_offsets = token[:, None] * stride_out_token + head[:, None].to(tl.int64) * stride_out_head
+        tl.store(
+            out_ptr + out_offsets + dims[None, :].to(tl.int64) * stride_out_dim,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
         )
+        lse_offsets = token * stride_lse_token + head.to(tl.int64) * stride_lse_head
+        # The first slice of head dims writes the lse (a select: see the note on ``keep`` in ``_finish_plan``).
+        tl.store(lse_ptr + lse_offsets, lse, mask=tl.where(dim_chunk == 0, row_ok, False))
         if EARLY:
             # The request's last combine program to arrive (one per slice of head dims) clears its count for the
             # next decode call; every other slice has already read it complete.

@@ -25,8 +25,6 @@ __all__ = [
     "replay_forest_decode",
 ]
 
-# The passes of a split launch, in launch order: prefix items (1), then suffix items (2).
-SPLIT_PASS_ORDER = (1, 2)
 # Partials of one combine chunk held in registers at once (floats): 64 per thread with 4 warps.
 COMBINE_CHUNK_FLOATS = 8192
 
@@ -304,9 +302,8 @@ def launch_attention(
     # prefix program has started (mode 2, then 3) and waits for the prefix pass only at its end.
     plain_mode = 2 if early else 1
     modes = {1: 2, 2: 3} if pdl and split else {0: plain_mode, 1: plain_mode, 2: plain_mode}
-    merge_chunk = max(1, _previous_power_of_two(COMBINE_CHUNK_FLOATS // (partials.rows * head_block)))
     programs = {0: plan.max_prefix_work + plan.max_suffix_work, 1: plan.max_prefix_work, 2: plan.max_suffix_work}
-    for which in SPLIT_PASS_ORDER if split else (0,):
+    for which in (1, 2) if split else (0,):
         grid = (programs[which] * num_kv_heads,)
         args = (
             query,
@@ -317,7 +314,6 @@ def launch_attention(
             plan.seq_lens,
             plan.prefix_blocks,
             plan.tile_of,
-            plan.slot_in_tile,
             plan.tile_leader,
             plan.tile_prefix_blocks,
             plan.tile_member_start,
@@ -370,7 +366,6 @@ def launch_attention(
             DOT_PRECISION=precision,
             PASS=which,
             EARLY=early,
-            MERGE_CHUNK=min(config.combine_chunk_cap, merge_chunk),
             num_warps=num_warps,
             num_stages=num_stages,
             **_pdl_options(pdl, modes[which]),
@@ -472,8 +467,7 @@ def launch_forest_decode(
     recorder = LaunchRecorder(tensors) if query.is_cuda and not interpreting() else None
     partials = allocate_partials(plan, query.shape[2], query.device)
     launch_attention(query, key_cache, value_cache, plan, scale, out, lse, partials, recorder)
-    if not plan.config.early_combine:
-        launch_combine(out, lse, plan, partials, query.shape[2], recorder)
+    launch_combine(out, lse, plan, partials, query.shape[2], recorder)
     if recorder is not None:
         if len(plan.launches) >= MAX_LAYOUTS_PER_PLAN:
             plan.launches.clear()
