@@ -13,8 +13,10 @@ __all__ = [
     "ArcticRLError",
     "BatchValidationError",
     "ConfigError",
+    "EngineDiedError",
     "EngineError",
     "EngineStateError",
+    "InvalidRequestError",
     "MissingDependencyError",
     "TransportError",
     "WireFormatError",
@@ -58,6 +60,27 @@ class EngineError(ArcticRLError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.engine, self.message))
+
+
+class EngineDiedError(EngineError):
+    """An engine is gone: its process died, or it did not answer a call within its time limit and was declared
+    failed. The server reports it in ``/health`` from then on; only a restart brings it back (HTTP 503)."""
+
+
+class InvalidRequestError(ArcticRLError, ValueError):
+    """A request value the engines cannot take (a token id outside the vocabulary, a seed out of range, a path that
+    does not exist, ...), refused before it reaches vLLM or DeepSpeed; ``field`` names it (HTTP 422)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(field, message)
+        self.field = field
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.field, self.message))
 
 
 class EngineStateError(ArcticRLError, RuntimeError):
