@@ -66,6 +66,22 @@ def _import_deepspeed(device: torch.device, engine: str) -> Any:
     return deepspeed
 
 
+# DeepSpeed's CPU communication backend builds this C++ op when the process group starts. Only its tensor-parallel
+# inference all-reduce uses it; the engines' collectives go through gloo.
+SHARED_MEMORY_COMM_OP = "deepspeed_shm_comm"
+
+
+def _skip_shared_memory_comm_op(deepspeed: Any) -> None:
+    """Keep DeepSpeed from compiling ``deepspeed_shm_comm`` at ``init_distributed`` on the CPU.
+
+    The build takes 1-6 minutes on a small machine, repeats in every fresh environment and fails without a C++
+    compiler, for an op nothing here calls. DeepSpeed builds an op only when its table of compatible ops says it
+    can; marking this one incompatible makes its backend fall back to torch.distributed (gloo) for that all-reduce.
+    """
+    compatible_ops: dict[str, bool] = deepspeed.ops.__compatible_ops__
+    compatible_ops[SHARED_MEMORY_COMM_OP] = False
+
+
 class DeepSpeedModelEngine:
     """Base of ``TrainingEngine`` and ``LogProbEngine``: subclasses choose the DeepSpeed config and optimizer."""
 
@@ -126,6 +142,8 @@ class DeepSpeedModelEngine:
 
     def _init_process_group(self, master_addr: str, master_port: int | None) -> None:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cpu":
+            _skip_shared_memory_comm_op(self._deepspeed)
         if torch.distributed.is_initialized():
             if torch.distributed.get_world_size() != self.world_size or torch.distributed.get_rank() != self.rank:
                 raise EngineError(
