@@ -112,8 +112,11 @@ class FakeTrainingEngine:
         loss_config: Mapping[str, Any],
         global_tokens: float,
         global_sequences: float,
+        old_log_probs_from_forward: bool = False,
     ) -> dict[str, Any]:
         self._awake("fwd_bwd")
+        if old_log_probs_from_forward == ("old_log_probs" in batch):
+            raise AssertionError("the service sends old_log_probs or old_log_probs_from_forward=True, one of the two")
         self.batches_seen.append(int(batch["input_ids"].shape[0]))
         log_probs = response_log_probs(self.weights, batch)
         advantages = batch["advantages"].to(torch.float64)
@@ -123,7 +126,10 @@ class FakeTrainingEngine:
         loss = -(advantages * log_probs * mask).sum() / global_tokens
         loss.backward()
         tokens = float(mask.sum())
-        return {"loss": float(loss), "metrics": {"tokens_share": tokens / global_tokens}, "tokens": tokens}
+        result = {"loss": float(loss), "metrics": {"tokens_share": tokens / global_tokens}, "tokens": tokens}
+        if old_log_probs_from_forward:
+            result["logprobs"] = log_probs.detach().float()
+        return result
 
     def step(self) -> dict[str, float]:
         self._awake("step")

@@ -26,12 +26,13 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+from fake_engines import VOCAB  # noqa: E402
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from ray_helpers import retry_start  # noqa: E402
 from slot_helpers import memfd_slots, shm_files  # noqa: E402
 
-from arctic_rl.batch import build_grpo_batch  # noqa: E402
+from arctic_rl.batch import build_grpo_batch, validate_batch  # noqa: E402
 from arctic_rl.client import ArcticRLClient, SyncArcticRLClient, create_arctic_rl_client  # noqa: E402
 from arctic_rl.config import ArcticRLClientConfig  # noqa: E402
 from arctic_rl.errors import (  # noqa: E402
@@ -187,6 +188,16 @@ def test_http_answers_equal_ray_answers(ray_client: SyncArcticRLClient, http_cli
     norms = http_client.weight_norm()
     assert norms == ray_client.weight_norm() and norms["sampling_norm"] == pytest.approx(norms["training_norm"])
     assert http_client.empty_training_cache() is None and http_client.reset_prefix_cache() is None
+    # fwd_bwd + step + sync in one request, old log-probs from the training forward: the wire carries both flags.
+    trained = http_client.train_step(
+        batch, {"loss_fn": "grpo", "config": {}}, old_log_probs_from_forward=True, sync_weights=True
+    )
+    assert sorted(trained) == ["fwd_bwd", "step", "sync_weights"]
+    assert trained["step"]["step"] == before + 2 == ray_client.describe()["step"]
+    assert trained["step"]["metrics"]["time/sync"] > 0 and trained["sync_weights"]["time_s"] > 0
+    assert_same(http_client.last_step_metrics(), ray_client.last_step_metrics())
+    norms = http_client.weight_norm()
+    assert norms == ray_client.weight_norm() and norms["sampling_norm"] == pytest.approx(norms["training_norm"])
 
 
 def test_the_async_client_gives_the_same_answers(ray_client: SyncArcticRLClient, server: ServerThread) -> None:
@@ -234,6 +245,7 @@ def valid_arguments(op: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         "generate": {"prompts": PROMPTS, "sampling_params": {"n": 1}},
         "fwd_no_grad": {"batch": batch},
         "fwd_bwd": {"batch": batch},
+        "train_step": {"batch": batch},
         "log_probs": {"prompts": ["a"], "completions": ["b"]},
     }.get(op, {})
 
@@ -312,11 +324,20 @@ def test_malformed_requests_to_every_endpoint_get_a_4xx_and_change_nothing(
             valid = False
         assume(not valid)
     else:
-        assume(op in ("fwd_no_grad", "fwd_bwd"))
+        assume(op in ("fwd_no_grad", "fwd_bwd", "train_step"))
         batch = make_batch(ray_client)
         mutation = data.draw(st.sampled_from(BATCH_MUTATIONS))
         key = data.draw(st.sampled_from(sorted(batch)))
-        body = encode_message({"batch": mutate(batch, mutation, key)})
+        mutated = mutate(batch, mutation, key)
+        if op == "train_step":
+            # A mutation that leaves a valid batch (an optional key dropped) would run the step: send only refused ones.
+            try:
+                validate_batch(mutated, vocab_size=VOCAB, require=("old_log_probs", "advantages"))
+                valid = True
+            except ArcticRLError:
+                valid = False
+            assume(not valid)
+        body = encode_message({"batch": mutated})
         headers = {"Content-Type": CONTENT_TYPE}
     response = httpx.request(operation.method, url, content=body, headers=headers, timeout=60)
     assert response.status_code < 500, (op, response.status_code, response.text)

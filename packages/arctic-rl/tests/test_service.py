@@ -157,6 +157,53 @@ def test_grpo_steps_match_a_single_process_reference(local_ray: None, tmp_path: 
 
 
 @pytest.mark.slow
+def test_train_step_is_fwd_bwd_step_and_sync_in_one_call(local_ray: None) -> None:
+    from fake_engines import initial_weights, response_log_probs
+
+    config = make_config()
+    reference = initial_weights(config.seed)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    with start(config) as client:
+        for step in range(2):
+            samples = client.generate(prompts, {"n": 3, "max_tokens": 4, "temperature": 1.0, "seed": step})
+            rewards = torch.rand(len(prompts), 3, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+            batch = grpo_batch(prompts, samples, rewards)
+            # The sampler's old_log_probs stay out: the trainer's forward provides them (the fakes check what came).
+            result = client.train_step(batch, {"loss_fn": "grpo"}, old_log_probs_from_forward=True, sync_weights=True)
+            weights = reference.clone().requires_grad_(True)
+            mask = batch["response_mask"].double()
+            expected = -(batch["advantages"].double() * response_log_probs(weights, batch) * mask).sum() / mask.sum()
+            expected.backward()
+            reference = (reference - LR * weights.grad).detach()
+            assert result["fwd_bwd"]["loss"] == pytest.approx(float(expected.detach()), rel=1e-12, abs=1e-12)
+            assert result["step"]["step"] == step + 1 and result["step"]["lr"] == LR
+            assert result["step"]["grad_norm"] == pytest.approx(float(weights.grad.norm()), rel=1e-12)
+            metrics = result["step"]["metrics"]
+            # The step's own sync is in its metrics, and the mismatch comes from the training forward's log-probs.
+            assert metrics["time/sync"] > 0 and result["sync_weights"]["time_s"] > 0
+            assert metrics["mismatch/abs_max"] < 1e-6 and metrics["mismatch/tokens"] == float(mask.sum())
+            norms = client.weight_norm()
+            assert norms["training_norm"] == pytest.approx(float(reference.norm()), rel=1e-12)
+            assert norms["sampling_norm"] == pytest.approx(norms["training_norm"], rel=1e-15)
+        # Without the sync, the sampler keeps the old weights; the caller's old_log_probs path works as before.
+        batch["old_log_probs"] = client.fwd_no_grad(batch)["logprobs"]
+        result = client.train_step(batch)
+        assert result["sync_weights"] is None and result["step"]["step"] == 3
+        norms = client.weight_norm()
+        assert norms["sampling_norm"] != pytest.approx(norms["training_norm"], rel=1e-12)
+        # Refused before any engine runs: a bad batch, a non-bool flag, a sleeping sampler to sync.
+        with pytest.raises(BatchValidationError, match="advantages"):
+            client.train_step({**batch, "advantages": None}, old_log_probs_from_forward=True)
+        with pytest.raises(ConfigError, match="sync_weights must be True or False"):
+            client.train_step(batch, sync_weights="yes")  # type: ignore[arg-type]
+        client.sleep_inference()
+        with pytest.raises(EngineStateError, match="wake_inference"):
+            client.train_step(batch, sync_weights=True)
+        client.wake_inference()
+        assert client.weight_norm() == norms and client.describe()["step"] == 3
+
+
+@pytest.mark.slow
 def test_bad_batches_and_wrong_states_change_nothing(local_ray: None) -> None:
     with start(make_config(training_gpus=1)) as client:
         prompts = [[1, 2, 3], [4, 5]]

@@ -91,6 +91,67 @@ def test_zorro_on_and_off_give_the_same_logprobs_and_gradients(model_dir: str) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zorro", [True, False], ids=["zorro", "padded"])
+def test_old_log_probs_from_forward_equal_a_separate_fwd_no_grad(model_dir: str, zorro: bool) -> None:
+    # One update per batch: fwd_no_grad's log-probs (eval mode, its own micro-batches) are the old ones, or the
+    # training forward's own, detached. Same weights, so the same loss, metrics and gradients up to rounding.
+    batch = make_batch(seed=9)
+    # Big advantages and a clip range that would bind if the two paths' ratios differed by more than rounding.
+    loss = {"clip_ratio_low": 1e-3, "clip_ratio_high": 1e-3, "entropy_coef": 0.01}
+    two_calls = TrainingEngine(make_config(model_dir, zorro_train={"enable": zorro}))
+    separate = two_calls.fwd_no_grad(batch)["logprobs"]
+    reply = fwd_bwd(two_calls, {**batch, "old_log_probs": separate}, **loss)
+    one_call = TrainingEngine(make_config(model_dir, zorro_train={"enable": zorro}))
+    without_old = {key: value for key, value in batch.items() if key != "old_log_probs"}
+    fused = one_call.fwd_bwd(
+        without_old,
+        loss_name="grpo",
+        loss_config={"kl_coef": 0.1, "kl_estimator": "k3", **loss},
+        old_log_probs_from_forward=True,
+        **step_denominators(batch),
+    )
+    assert float((fused["logprobs"] - separate).abs().max()) <= TOLERANCE
+    assert math.isclose(fused["loss"], reply["loss"], rel_tol=TOLERANCE)
+    assert fused["metrics"].keys() == reply["metrics"].keys()
+    for name, value in reply["metrics"].items():
+        assert math.isclose(fused["metrics"][name], value, rel_tol=TOLERANCE, abs_tol=1e-7), name
+    expected, got = stage0_gradients(two_calls), stage0_gradients(one_call)
+    assert all(float(grad.abs().max()) > 0 for grad in expected.values())
+    errors = {name: relative_l2(got[name], expected[name]) for name in expected}
+    assert max(errors.values()) <= TOLERANCE, errors
+    # The batch's own old_log_probs (here the sampler's stand-in) are not used on that path.
+    one_call.step()
+    again = TrainingEngine(make_config(model_dir, zorro_train={"enable": zorro}))
+    ignored = {**batch, "old_log_probs": torch.full_like(batch["old_log_probs"], -50.0)}
+    replay = again.fwd_bwd(
+        ignored,
+        loss_name="grpo",
+        loss_config={"kl_coef": 0.1, "kl_estimator": "k3", **loss},
+        old_log_probs_from_forward=True,
+        **step_denominators(batch),
+    )
+    assert replay["loss"] == fused["loss"]
+
+
+@pytest.mark.slow
+def test_old_log_probs_from_forward_is_refused_with_active_dropout(tmp_path: Path) -> None:
+    model_dir = str(save_tiny_qwen3(tmp_path / "dropout", attention_dropout=0.1))
+    # ZoRRO's attention refuses dropout itself; the padded path runs it.
+    engine = TrainingEngine(make_config(model_dir, zorro_train={"enable": False}))
+    batch = make_batch(seed=2)
+    with pytest.raises(ConfigError, match=r"active dropout: config.attention_dropout=0.1"):
+        engine.fwd_bwd(
+            batch, loss_name="grpo", loss_config={}, old_log_probs_from_forward=True, **step_denominators(batch)
+        )
+    # Refused before any forward: nothing to step.
+    with pytest.raises(EngineStateError, match="fwd_bwd"):
+        engine.step()
+    # The separate-forward path is still open for such a model.
+    fwd_bwd(engine, batch)
+    engine.step()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zorro", [True, False], ids=["zorro", "padded"])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_dir: str, zorro: bool) -> None:
     batch = make_batch(seed=6)
     results = {}

@@ -98,6 +98,11 @@ class RayTransport:
             ray.shutdown()
 
 
+def _flags(old_log_probs_from_forward: bool) -> dict[str, Any]:
+    # Sent unless it is the default, so that a server from before the flag still answers the plain call.
+    return {} if old_log_probs_from_forward is False else {"old_log_probs_from_forward": old_log_probs_from_forward}
+
+
 class _ClientBase:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
@@ -127,11 +132,33 @@ class ArcticRLClient(_ClientBase):
             "fwd_no_grad", batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
         )  # type: ignore[no-any-return]
 
-    async def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return await self._run("fwd_bwd", batch=batch, processing=processing)  # type: ignore[no-any-return]
+    async def fwd_bwd(
+        self,
+        batch: Mapping[str, Any],
+        processing: Mapping[str, Any] | None = None,
+        *,
+        old_log_probs_from_forward: bool = False,
+    ) -> dict[str, Any]:
+        return await self._run("fwd_bwd", batch=batch, processing=processing, **_flags(old_log_probs_from_forward))  # type: ignore[no-any-return]
 
     async def step(self) -> dict[str, Any]:
         return await self._run("step")  # type: ignore[no-any-return]
+
+    async def train_step(
+        self,
+        batch: Mapping[str, Any],
+        processing: Mapping[str, Any] | None = None,
+        *,
+        old_log_probs_from_forward: bool = False,
+        sync_weights: bool = False,
+    ) -> dict[str, Any]:
+        return await self._run(
+            "train_step",
+            batch=batch,
+            processing=processing,
+            old_log_probs_from_forward=old_log_probs_from_forward,
+            sync_weights=sync_weights,
+        )  # type: ignore[no-any-return]
 
     async def sync_weights(self) -> dict[str, float]:
         return await self._run("sync_weights")  # type: ignore[no-any-return]
@@ -214,11 +241,43 @@ class SyncArcticRLClient(_ClientBase):
             "fwd_no_grad", batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
         )  # type: ignore[no-any-return]
 
-    def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return self._run("fwd_bwd", batch=batch, processing=processing)  # type: ignore[no-any-return]
+    def fwd_bwd(
+        self,
+        batch: Mapping[str, Any],
+        processing: Mapping[str, Any] | None = None,
+        *,
+        old_log_probs_from_forward: bool = False,
+    ) -> dict[str, Any]:
+        """Forward and backward of the step's batch; gradients accumulate until ``step()``.
+
+        ``old_log_probs_from_forward=True``: skip ``fwd_no_grad``; the trainer uses its own forward's log-probs,
+        detached, as the old ones (the batch's ``old_log_probs`` are not needed, and not used if present). The same loss
+        and gradients (up to float rounding) when the batch gets one optimizer update, as in ``fwd_no_grad`` ->
+        ``fwd_bwd`` -> ``step``; refused for a model with active dropout.
+        """
+        return self._run("fwd_bwd", batch=batch, processing=processing, **_flags(old_log_probs_from_forward))  # type: ignore[no-any-return]
 
     def step(self) -> dict[str, Any]:
         return self._run("step")  # type: ignore[no-any-return]
+
+    def train_step(
+        self,
+        batch: Mapping[str, Any],
+        processing: Mapping[str, Any] | None = None,
+        *,
+        old_log_probs_from_forward: bool = False,
+        sync_weights: bool = False,
+    ) -> dict[str, Any]:
+        """``fwd_bwd`` + ``step`` (+ ``sync_weights`` when asked) in one round trip; returns ``{"fwd_bwd": ...,
+        "step": ..., "sync_weights": ... or None}``, each what that call returns (the step's metrics include the
+        sync time). Everything is checked before any engine changes state."""
+        return self._run(
+            "train_step",
+            batch=batch,
+            processing=processing,
+            old_log_probs_from_forward=old_log_probs_from_forward,
+            sync_weights=sync_weights,
+        )  # type: ignore[no-any-return]
 
     def sync_weights(self) -> dict[str, float]:
         return self._run("sync_weights")  # type: ignore[no-any-return]

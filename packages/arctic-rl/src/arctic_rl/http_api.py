@@ -62,6 +62,13 @@ class FwdBwdBody(_Body):
     processing: dict[str, Any] | None = Field(
         default=None, description="{'loss_fn': <registered loss name>, 'config': {...}}; None: grpo defaults."
     )
+    old_log_probs_from_forward: StrictBool = Field(
+        default=False, description="The batch has no old_log_probs: use the training forward's (one update per batch)."
+    )
+
+
+class TrainStepBody(FwdBwdBody):
+    sync_weights: StrictBool = Field(default=False, description="Also sync the trainer's weights to the samplers.")
 
 
 class SleepInferenceBody(_Body):
@@ -108,6 +115,7 @@ OPERATIONS: dict[str, Operation] = {
     "fwd_no_grad": Operation(FwdNoGradBody, idempotent=True, tensors_out=True),
     "fwd_bwd": Operation(FwdBwdBody),
     "step": Operation(NoArguments),
+    "train_step": Operation(TrainStepBody),
     "sync_weights": Operation(NoArguments),
     "sleep_inference": Operation(SleepInferenceBody),
     "wake_inference": Operation(WakeInferenceBody),

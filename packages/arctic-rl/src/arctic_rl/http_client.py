@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["HttpTransport", "LocalServer", "connect_http"]
 
 # Operations whose arguments carry a batch of tensors: sent in the wire format, everything else as JSON.
-_TENSOR_REQUESTS = frozenset({"fwd_no_grad", "fwd_bwd"})
+_TENSOR_REQUESTS = frozenset({"fwd_no_grad", "fwd_bwd", "train_step"})
 # A body larger than this is sent in chunks of this size (views, no copies): httpcore re-slices the unsent rest of
 # one large bytes body after every socket write, which copies it again each time (0.03 GB/s at 256 MiB).
 _CHUNK_BYTES = 1 << 20

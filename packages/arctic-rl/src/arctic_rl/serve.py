@@ -293,7 +293,7 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
         extra = None
         if operation.method == "POST":
             content: dict[str, Any] = {"application/json": {"schema": schema}}
-            if op in ("fwd_no_grad", "fwd_bwd"):
+            if op in ("fwd_no_grad", "fwd_bwd", "train_step"):
                 content = {CONTENT_TYPE: {"schema": schema}}
             extra = {"requestBody": {"content": content, "required": False}}
         app.add_api_route(

@@ -358,23 +358,47 @@ class RLService:
             )
         return output
 
-    def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def fwd_bwd(
+        self,
+        batch: Mapping[str, Any],
+        processing: Mapping[str, Any] | None = None,
+        *,
+        old_log_probs_from_forward: bool = False,
+    ) -> dict[str, Any]:
+        """Forward and backward of the step's batch with the loss named in ``processing``.
+
+        ``old_log_probs_from_forward=True``: the trainer uses its own forward's log-probs (detached) as the old ones,
+        saving the ``fwd_no_grad`` call; the batch's ``old_log_probs`` are not needed, and not used if present. Exact
+        when the batch gets one optimizer update on the weights that computed them, as in ``fwd_no_grad`` -> ``fwd_bwd``
+        -> ``step`` (the engine refuses a model with active dropout, whose training forward differs from
+        ``fwd_no_grad``'s).
+        """
         from arctic_rl.losses import count_loss_denominators
 
         self._require_open()
+        if not isinstance(old_log_probs_from_forward, bool):
+            raise ConfigError(
+                f"old_log_probs_from_forward must be True or False, got {type(old_log_probs_from_forward).__name__}."
+            )
         loss_name, loss_config = _parse_processing(processing)
-        valid = self._validated(batch, require=("old_log_probs", "advantages"))
+        require = ("advantages",) if old_log_probs_from_forward else ("old_log_probs", "advantages")
+        valid = self._validated(batch, require=require)
+        if old_log_probs_from_forward:
+            # Not used (build_grpo_batch fills them with the sampler's): the trainer's own forward provides them.
+            valid.pop("old_log_probs", None)
         self._require_awake("training", "fwd_bwd()")
         shares = split_for_data_parallel(valid, len(self.training))
         global_tokens, global_sequences = count_loss_denominators(valid["response_mask"])
         if global_tokens == 0:
             raise BatchValidationError("response_mask", "no response token is unmasked; the loss would be 0/0.")
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "loss_name": loss_name,
             "loss_config": loss_config,
             "global_tokens": global_tokens,
             "global_sequences": global_sequences,
         }
+        if old_log_probs_from_forward:
+            kwargs["old_log_probs_from_forward"] = True
         with self._timer.phase("train"):
             results = self._call_each(
                 [
@@ -394,21 +418,55 @@ class RLService:
             if values:
                 extra[f"zorro/{key}"] = sum(values)
         self._add_metrics(extra)
+        if old_log_probs_from_forward and "rollout_log_probs" in valid:
+            # The trainer's log-probs came back with the gradients: the same mismatch metrics fwd_no_grad reports.
+            trainer_log_probs = torch.zeros(tuple(valid["responses"].shape), dtype=torch.float32)
+            for share, result in zip(shares, results, strict=True):
+                trainer_log_probs[torch.tensor(share, dtype=torch.long)] = result["logprobs"]
+            self._step_metrics.update(
+                logprob_mismatch(valid["rollout_log_probs"], trainer_log_probs, valid["response_mask"])
+            )
         return {"loss": loss, "metrics": metrics}
 
     def step(self) -> dict[str, Any]:
         self._require_open()
         self._require_awake("training", "step()")
+        result = self._optimizer_step()
+        result["metrics"] = self._finish_step_metrics()
+        return result
+
+    def _optimizer_step(self) -> dict[str, Any]:
         with self._timer.phase("train"):
             results = self._call_all(self.training, "step")
         self.step_count += 1
-        metrics = self._finish_step_metrics()
-        return {
-            "grad_norm": float(results[0]["grad_norm"]),
-            "lr": float(results[0]["lr"]),
-            "step": self.step_count,
-            "metrics": metrics,
-        }
+        return {"grad_norm": float(results[0]["grad_norm"]), "lr": float(results[0]["lr"]), "step": self.step_count}
+
+    def train_step(
+        self,
+        batch: Mapping[str, Any],
+        processing: Mapping[str, Any] | None = None,
+        *,
+        old_log_probs_from_forward: bool = False,
+        sync_weights: bool = False,
+    ) -> dict[str, Any]:
+        """``fwd_bwd`` + ``step`` (+ ``sync_weights`` when asked) in one call: one round trip for the client.
+
+        Returns ``{"fwd_bwd": fwd_bwd's result, "step": step's result, "sync_weights": sync_weights's result or
+        None}``; with ``sync_weights=True`` the step's metrics include the sync time (the separate calls count it in
+        the next step's). Every check of the three calls runs before the first engine call, so a refused batch or
+        state changes nothing.
+        """
+        self._require_open()
+        if not isinstance(sync_weights, bool):
+            raise ConfigError(f"sync_weights must be True or False, got {type(sync_weights).__name__}.")
+        self._require_awake("training", "train_step()")
+        if sync_weights:
+            self._require_awake("sampling", "train_step(sync_weights=True)")
+        trained = self.fwd_bwd(batch, processing, old_log_probs_from_forward=old_log_probs_from_forward)
+        stepped = self._optimizer_step()
+        synced = self.sync_weights() if sync_weights else None
+        stepped["metrics"] = self._finish_step_metrics()
+        return {"fwd_bwd": trained, "step": stepped, "sync_weights": synced}
 
     def _finish_step_metrics(self) -> dict[str, float]:
         metrics = {**self._step_metrics, **self._timer.metrics()}

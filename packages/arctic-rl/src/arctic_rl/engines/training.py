@@ -27,7 +27,7 @@ from arctic_rl.engines.deepspeed_base import DeepSpeedModelEngine
 from arctic_rl.engines.model import load_tokenizer
 from arctic_rl.engines.policy_forward import forward_responses, select_samples
 from arctic_rl.engines.zero_step import install_multi_tensor_checks
-from arctic_rl.errors import EngineError, EngineStateError, import_optional
+from arctic_rl.errors import ConfigError, EngineError, EngineStateError, import_optional
 
 if TYPE_CHECKING:
     from arctic_rl.config import ArcticRLClientConfig, TrainingConfig
@@ -98,6 +98,7 @@ class TrainingEngine(DeepSpeedModelEngine):
         self._pending_micro_batches = 0
         self._last_grad_norm: float | None = None
         self._transfer: Any = None
+        self._dropout_found: list[str] | None = None
         super().__init__(
             config, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, role=role
         )
@@ -170,6 +171,7 @@ class TrainingEngine(DeepSpeedModelEngine):
         global_tokens: float,
         global_sequences: float,
         temperature: float = 1.0,
+        old_log_probs_from_forward: bool = False,
     ) -> dict[str, Any]:
         """Forward and backward of this rank's share of a step with the registered loss ``loss_name``.
 
@@ -178,6 +180,13 @@ class TrainingEngine(DeepSpeedModelEngine):
         "metrics": {name: float}, "tokens": int, "micro_batches": int, "base_tokens": int, "dedup_tokens": int}``:
         loss and metrics are this call's shares of the step's global values (sum them over calls and ranks).
         Everything is validated before the first forward.
+
+        ``old_log_probs_from_forward``: this forward's own log-probs (detached) are used as the old ones (the batch's
+        ``old_log_probs`` are not needed, and not used if present), and come back as ``"logprobs"`` ``[B, R]`` (fp32,
+        CPU, 0 where ``response_mask`` is 0). That equals a ``fwd_no_grad`` on the same weights followed by ``fwd_bwd``
+        (up to float rounding: the two forwards may cut micro-batches differently) when the batch gets exactly one
+        optimizer update and the forward is the same in training and evaluation mode (no dropout), which is checked
+        here.
         """
         from arctic_rl.losses import LossInputs, get_loss_fn
 
@@ -192,7 +201,9 @@ class TrainingEngine(DeepSpeedModelEngine):
                     f"{name} must be a finite number > 0 (the whole step's count over every call and rank), got "
                     f"{value!r}."
                 )
-        require = ["old_log_probs", "advantages"]
+        require = ["advantages"] if old_log_probs_from_forward else ["old_log_probs", "advantages"]
+        if old_log_probs_from_forward:
+            self._check_old_log_probs_from_forward()
         if needs.ref_log_probs:
             require.append("ref_log_prob")
         if needs.rollout_log_probs:
@@ -207,15 +218,21 @@ class TrainingEngine(DeepSpeedModelEngine):
 
         loss_total = torch.zeros((), dtype=torch.float64)
         metric_totals: dict[str, torch.Tensor] = {}
+        forward_log_probs = torch.zeros(tuple(checked["responses"].shape), dtype=torch.float32)
         for samples in plan.samples:
             micro = select_samples(checked, samples, self.device)
             outputs = forward_responses(
                 self._engine, micro, zorro=self._zorro, temperature=float(temperature), calculate_entropy=needs.entropy
             )
             dtype = outputs.log_probs.dtype
+            if old_log_probs_from_forward:
+                old_log_probs = outputs.log_probs.detach()
+                forward_log_probs[torch.tensor(samples, dtype=torch.long)] = old_log_probs.float().cpu()
+            else:
+                old_log_probs = micro["old_log_probs"].to(dtype)
             inputs = LossInputs(
                 log_probs=outputs.log_probs,
-                old_log_probs=micro["old_log_probs"].to(dtype),
+                old_log_probs=old_log_probs,
                 advantages=micro["advantages"].to(dtype),
                 response_mask=micro["response_mask"].to(dtype),
                 ref_log_probs=micro["ref_log_prob"].to(dtype) if needs.ref_log_probs else None,
@@ -239,7 +256,7 @@ class TrainingEngine(DeepSpeedModelEngine):
                 self._engine, micro, zorro=self._zorro, temperature=float(temperature), calculate_entropy=False
             )
             self._engine.backward(outputs.log_probs.sum() * 0.0, scale_wrt_gas=False)
-        return {
+        result: dict[str, Any] = {
             "loss": float(loss_total),
             "metrics": {name: float(value) for name, value in metric_totals.items()},
             "tokens": int(checked["response_mask"].sum()),
@@ -247,6 +264,42 @@ class TrainingEngine(DeepSpeedModelEngine):
             "base_tokens": plan.base_tokens,
             "dedup_tokens": plan.dedup_tokens,
         }
+        if old_log_probs_from_forward:
+            result["logprobs"] = forward_log_probs
+        return result
+
+    def _check_old_log_probs_from_forward(self) -> None:
+        """Refuse ``old_log_probs_from_forward`` where it would not equal a separate ``fwd_no_grad``: a model whose
+        training-mode forward differs from the evaluation-mode one that ``fwd_no_grad`` runs (active dropout)."""
+        dropouts = self._active_dropout()
+        if dropouts:
+            raise ConfigError(
+                "old_log_probs_from_forward=True needs a training forward equal to the evaluation forward, but the "
+                f"model has active dropout: {', '.join(dropouts[:4])}. Set the model's dropout to 0 or compute "
+                "old_log_probs with fwd_no_grad() instead."
+            )
+
+    def _active_dropout(self) -> list[str]:
+        """Dropout modules with p > 0 and ``*dropout*`` model-config values > 0 (the model never changes: cached)."""
+        if self._dropout_found is None:
+            config = getattr(self.module, "config", None)
+            settings = config.to_dict() if hasattr(config, "to_dict") else {}
+            self._dropout_found = sorted(
+                {
+                    f"{name or 'model'} (p={module.p})"
+                    for name, module in self.module.named_modules()
+                    if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+                }
+                | {
+                    f"config.{key}={value}"
+                    for key, value in settings.items()
+                    if "dropout" in key
+                    and isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and value > 0
+                }
+            )
+        return self._dropout_found
 
     def step(self) -> dict[str, float]:
         """Reduce the accumulated gradients over ranks, clip them to ``training.max_grad_norm`` and apply AdamW at
