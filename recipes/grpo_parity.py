@@ -47,6 +47,8 @@ class RunSettings:
     seed: int = 0
     zorro: bool = True
     fca: bool = True
+    # Bytes of random filler before each prompt's question: long prompts that a group's samples share.
+    prompt_padding: int = 0
 
 
 @dataclass
@@ -76,13 +78,16 @@ def parity_reward(parity: str, token_ids: list[int]) -> float:
     return sum(1 for token in token_ids if token < 256 and token % 2 == wanted) / len(token_ids)
 
 
-def make_prompts(rng: random.Random, count: int) -> list[tuple[str, str]]:
-    """``count`` prompts ``(text, parity)``, half asking for even and half for odd characters."""
+def make_prompts(rng: random.Random, count: int, padding: int = 0) -> list[tuple[str, str]]:
+    """``count`` prompts ``(text, parity)``, half asking for even and half for odd characters; ``padding`` bytes of
+    random letters and a space come first (the question stays at the end, next to the answer)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
     prompts = []
     for index in range(count):
         parity = PARITIES[index % 2]
-        noise = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
-        prompts.append((f"({noise}) answer with {parity} bytes: {parity}", parity))
+        noise = "".join(rng.choice(letters) for _ in range(rng.randint(3, 8)))
+        filler = "".join(rng.choice(letters) for _ in range(padding)) + " " if padding else ""
+        prompts.append((f"{filler}({noise}) answer with {parity} bytes: {parity}", parity))
     return prompts
 
 
@@ -102,7 +107,7 @@ def client_config(model_dir: str, settings: RunSettings, gpus: int) -> Any:
     colocated on one GPU), ZoRRO and FCA as asked."""
     from arctic_rl import ArcticRLClientConfig
 
-    sampling: dict[str, Any] = {"max_model_len": 256}
+    sampling: dict[str, Any] = {"max_model_len": 256 + settings.prompt_padding}
     if gpus == 0:
         sampling["kv_cache_space_gib"] = 1  # vLLM's CPU build: a small KV cache is plenty
     else:
@@ -141,7 +146,7 @@ def run(settings: RunSettings, model_dir: str, *, progress: bool = True) -> list
     with create_arctic_rl_client(client_config(model_dir, settings, visible_gpus()), blocking_calls=True) as client:
         bar = tqdm(range(settings.steps), desc=f"GRPO ({label})", unit="step", disable=not progress)
         for step in bar:
-            prompts = make_prompts(rng, settings.prompts_per_step)
+            prompts = make_prompts(rng, settings.prompts_per_step, settings.prompt_padding)
             prompt_ids = [tokenizer(text)["input_ids"] for text, _ in prompts]
             seconds: dict[str, float] = {}
             start = time.perf_counter()
@@ -164,17 +169,18 @@ def run(settings: RunSettings, model_dir: str, *, progress: bool = True) -> list
                 for (_, parity), group in zip(prompts, samples, strict=True)
             ]
             batch = build_grpo_batch(prompt_ids, samples, rewards, pad_token_id=tokenizer.pad_token_id)
+            # One round trip: forward-backward, optimizer step and weight sync. Each batch gets one update, so the
+            # old log-probs are the training forward's own (exactly what a separate fwd_no_grad would return).
             start = time.perf_counter()
-            batch["old_log_probs"] = client.fwd_no_grad(batch)["logprobs"]
-            seconds["log_prob"] = time.perf_counter() - start
-            start = time.perf_counter()
-            result = client.fwd_bwd(batch, processing={"loss_fn": "grpo", "config": {}})
-            stats = client.step()
-            seconds["train"] = time.perf_counter() - start
-            start = time.perf_counter()
-            client.sync_weights()
-            seconds["sync"] = time.perf_counter() - start
+            trained = client.train_step(
+                batch, {"loss_fn": "grpo", "config": {}}, old_log_probs_from_forward=True, sync_weights=True
+            )
+            round_trip = time.perf_counter() - start
+            result, stats = trained["fwd_bwd"], trained["step"]
             metrics = stats.get("metrics", {})
+            seconds["log_prob"] = 0.0
+            seconds["sync"] = float(metrics.get("time/sync", 0.0))
+            seconds["train"] = round_trip - seconds["sync"]
             flat = [reward for group in rewards for reward in group]
             record = StepRecord(
                 step=step,

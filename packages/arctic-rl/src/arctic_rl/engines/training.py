@@ -282,7 +282,7 @@ class TrainingEngine(DeepSpeedModelEngine):
     def _active_dropout(self) -> list[str]:
         """Dropout modules with p > 0 and ``*dropout*`` model-config values > 0 (the model never changes: cached)."""
         if self._dropout_found is None:
-            config = getattr(self.module, "config", None)
+            config: Any = getattr(self.module, "config", None)
             settings = config.to_dict() if hasattr(config, "to_dict") else {}
             self._dropout_found = sorted(
                 {
