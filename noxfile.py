@@ -13,6 +13,7 @@ Elsewhere packages resolve from PyPI within the ranges the packages declare.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -422,14 +423,19 @@ def _workspace_pythonpath() -> str:
 @nox.session(python=False)
 def gpu_tests(session: nox.Session) -> None:
     """Tests marked ``gpu`` and the benchmarks' smoke runs, on the current interpreter (no virtualenv, no index):
-    what runs on the offline H200 and what a GPU user runs. Writes a summary to ``$OUT`` or benchmarks/results."""
+    what runs on the offline H200 and what a GPU user runs (arctic-fca's, FCA inside vLLM, where vLLM is installed).
+    Writes a summary to ``$OUT`` or benchmarks/results."""
     out_dir = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONPATH": _workspace_pythonpath(), "ARCTIC_GPU_TESTS": "1", "TRITON_INTERPRET": "0"}
     started = time.time()
     summaries = []
     # One pytest run per package: test modules of different packages share basenames (test_public_api.py).
-    for name in ("arctic-dedup", "arctic-zorro-train", "arctic-rl"):
+    # arctic-fca's GPU tests run FCA inside vLLM: only where vLLM is installed (docs/gpu.md carries it to a GPU box).
+    packages = ["arctic-dedup", "arctic-zorro-train", "arctic-rl"]
+    if importlib.util.find_spec("vllm") is not None:
+        packages.append("arctic-fca")
+    for name in packages:
         junit = out_dir / f"gpu_tests_{name}.xml"
         session.run(
             sys.executable,

@@ -53,6 +53,13 @@
 #   fca-quick      the forest decode benchmark without its tuning sweep   (~1.5 min)
 #   headline       the README's headline rows again: python benchmarks/run.py --quick (pack/unpack, tree attention
 #                  quick, forest decode quick, ZoRRO dense, fused kernels; each benchmark's JSON + PNG)  (~8 min)
+# Stages with vLLM (after scripts/unpack_vllm_carry.sh installed it into /tmp/site and .whl holds the project's
+# wheels; the two-call procedure is in docs/gpu.md):
+#   fca-vllm       FCA inside vLLM vs vLLM's default decode, every row and the exactness engines
+#                  (benchmarks/fca_vllm.py; ARCTIC_FCA_VLLM_ARGS: extra arguments such as "--rows ... --skip-exactness";
+#                  it starts no engine after ARCTIC_FCA_VLLM_BUDGET_S, default 470 s)  (~9 min)
+#   fca-vllm-quick the same with --quick (the 4B 8x16 row, one 0.6B row, exactness on the 0.6B shape)  (~5 min)
+#   fca-vllm-tests arctic-fca's GPU tests: FCA inside vLLM, same greedy tokens in float32, logprobs in bf16  (~2 min)
 # The exit status is that of the last stage that failed (0 when all succeeded).
 set -uo pipefail
 out="${OUT:-benchmarks/results}/r"
@@ -60,6 +67,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 # A stage that runs past its limit gets SIGABRT first, so Python prints where every thread was (faulthandler).
 export PYTHONFAULTHANDLER=1
+# vLLM on these boxes: no FlashInfer sampler is carried, no hub, no usage reports.
+export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
 fi
@@ -132,6 +141,11 @@ for stage in "$@"; do
     fca-quick) run fca_quick 150 python3 benchmarks/fca_decode.py --quick --out "$out" ;;
     headline) run headline 590 python3 benchmarks/run.py --quick --out "$out" ;;
     pack-unpack) run pack_unpack 150 python3 benchmarks/pack_unpack.py --out "$out" ;;
+    fca-vllm) run fca_vllm 590 python3 benchmarks/fca_vllm.py --out "$out" --budget-s "${ARCTIC_FCA_VLLM_BUDGET_S:-470}" \
+      ${ARCTIC_FCA_VLLM_ARGS:-} ;;
+    fca-vllm-quick) run fca_vllm_quick 400 python3 benchmarks/fca_vllm.py --quick --out "$out" --budget-s 300 ;;
+    fca-vllm-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run fca_vllm_tests 300 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider -rs packages/arctic-fca/tests ;;
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
   esac
 done

