@@ -1,0 +1,97 @@
+"""FCA inside vLLM on a GPU against vLLM's default attention, same model, same requests (copies of each prompt, so FCA
+groups them): in float32 the same greedy tokens; in bf16 teacher-forced logprobs no further from the default's than
+the default's own bf16 run is from its float32 run; FCA's decode steps inside vLLM's full CUDA graphs.
+
+Four engines (FCA and the default, float32 and bf16), each in its own process (``vllm_gpu_engine.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and VLLM_AVAILABLE), reason="needs a CUDA GPU and vLLM"),
+]
+
+ENGINES = [("default", "float32"), ("fca", "float32"), ("default", "bfloat16"), ("fca", "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    import vllm_gpu_engine
+
+    folder = tmp_path_factory.mktemp("fca-vllm-gpu")
+    model_dir = folder / "model"
+    vllm_gpu_engine.write_model(str(model_dir))
+    results: dict[str, dict[str, Any]] = {}
+    for backend, dtype in ENGINES:
+        out = folder / f"{backend}-{dtype}.json"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+            # The engine-info probe is a function sent to the worker.
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+        }
+        env.pop("ARCTIC_FCA", None)
+        if backend == "fca":
+            env["ARCTIC_FCA"] = "1"
+        done = subprocess.run(
+            [sys.executable, str(HERE / "vllm_gpu_engine.py"), str(model_dir), dtype, str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if not out.exists():
+            results[f"{backend}/{dtype}"] = {"error": (done.stdout + done.stderr)[-4000:]}
+            continue
+        results[f"{backend}/{dtype}"] = json.loads(out.read_text())
+    return results
+
+
+def _engine(engines: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    result = engines[key]
+    assert "error" not in result, f"{key} engine failed:\n{result['error']}"
+    assert all(result["followed"]), f"{key}: the forced tokens were not followed"
+    return result
+
+
+def _max_difference(first: list[list[float]], second: list[list[float]]) -> float:
+    return max(abs(a - b) for x, y in zip(first, second, strict=True) for a, b in zip(x, y, strict=True))
+
+
+def test_fca_picks_the_defaults_greedy_tokens_in_float32(engines: dict[str, dict[str, Any]]) -> None:
+    default, fca = _engine(engines, "default/float32"), _engine(engines, "fca/float32")
+    assert fca["stats"]["grouped_requests"] > 0, fca["stats"]
+    assert fca["greedy"] == default["greedy"]
+    assert _max_difference(fca["forced_logprobs"], default["forced_logprobs"]) < 1e-3
+
+
+def test_fca_bf16_logprobs_are_within_the_defaults_bf16_error(engines: dict[str, dict[str, Any]]) -> None:
+    truth = _engine(engines, "default/float32")["forced_logprobs"]
+    default, fca = _engine(engines, "default/bfloat16"), _engine(engines, "fca/bfloat16")
+    assert fca["stats"]["grouped_requests"] > 0, fca["stats"]
+    fca_vs_default = _max_difference(fca["forced_logprobs"], default["forced_logprobs"])
+    default_vs_truth = _max_difference(default["forced_logprobs"], truth)
+    assert fca_vs_default <= default_vs_truth, (fca_vs_default, default_vs_truth)
+
+
+def test_fca_decodes_inside_full_cuda_graphs(engines: dict[str, dict[str, Any]]) -> None:
+    fca = _engine(engines, "fca/bfloat16")
+    assert fca["attention_backends"] == ["CUSTOM"], fca["attention_backends"]
+    assert fca["cudagraph_mode"] in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"), fca["cudagraph_mode"]
