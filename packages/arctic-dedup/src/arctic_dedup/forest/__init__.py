@@ -10,12 +10,14 @@ from arctic_dedup.forest.plan import (
     plan_paged,
 )
 from arctic_dedup.forest.reference import reference_forest_groups, reference_paged_attention
+from arctic_dedup.forest.static_plan import StaticForestPlan
 
 __all__ = [
     "ForestGrouping",
     "ForestKernelConfig",
     "ForestPlan",
     "ForestWorkspace",
+    "StaticForestPlan",
     "forest_decode",
     "paged_decode",
     "plan_forest",

@@ -28,6 +28,10 @@ Decode (per layer, two launches; three when the prefix and suffix passes are spl
 
 Row ``r`` of a request's row block stands for query token ``r // G`` and query head ``kv_head * G + r % G``.
 
+Integer arguments that change from step to step (batch sizes, counts, offsets, table widths) are marked
+``do_not_specialize``: Triton would otherwise compile a new variant in the middle of a run whenever one of them first
+becomes 1 or a multiple of 16. Strides stay specialised (fixed for a model, and their divisibility vectorises loads).
+
 Every kernel takes ``PDL`` (programmatic dependent launch, sm_90+; 0: a plain launch, nothing emitted). With 1 a
 program first lets the next launch of its stream be scheduled, then waits until the launch before it has finished
 and its writes are visible, before any memory access: results are those of plain stream order, only the launch
@@ -82,7 +86,7 @@ def _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blo
     return tl.minimum(tl.maximum(seq_len - query_len, 0) // block_size, max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "num_cache_blocks"])
 def plan_count_kernel(
     block_table_ptr,
     seq_lens_ptr,
@@ -113,7 +117,7 @@ def plan_count_kernel(
     tl.store(group_count_ptr + request, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "num_cache_blocks", "num_requests"])
 def plan_cut_kernel(
     block_table_ptr,
     seq_lens_ptr,
@@ -283,7 +287,18 @@ def _finish_plan(
     tl.store(stats_ptr + 2, saved)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "ready_count",
+        "max_blocks",
+        "num_cache_blocks",
+        "num_requests",
+        "min_grouped_requests",
+        "max_groups",
+        "prefix_target_items",
+        "suffix_target_items",
+    ]
+)
 def plan_group_kernel(
     block_table_ptr,
     seq_lens_ptr,
@@ -399,7 +414,7 @@ def plan_group_kernel(
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ready_count", "num_requests", "suffix_target_items"])
 def plan_paged_kernel(
     seq_lens_ptr,
     prefix_blocks_ptr,
@@ -967,7 +982,7 @@ def _run_item(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests"])
 def forest_attention_kernel(
     q_ptr,
     k_ptr,
@@ -1113,7 +1128,7 @@ def forest_attention_kernel(
     _end_after_previous_launch(PDL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["suffix_part_offset", "num_requests"])
 def forest_combine_kernel(
     out_ptr,
     lse_ptr,

@@ -469,6 +469,6 @@ def launch_forest_decode(
     launch_attention(query, key_cache, value_cache, plan, scale, out, lse, partials, recorder)
     launch_combine(out, lse, plan, partials, query.shape[2], recorder)
     if recorder is not None:
-        if len(plan.launches) >= MAX_LAYOUTS_PER_PLAN:
+        if len(plan.launches) >= MAX_LAYOUTS_PER_PLAN and not plan.persistent:
             plan.launches.clear()
         plan.launches[call_key(tensors, scale)] = tuple(recorder.launches)

@@ -211,6 +211,7 @@ def _plan_buffers(num_requests: int, num_kv_heads: int, device: torch.device) ->
     views["num_groups"] = buffer[tail + 2 : tail + 3]
     views["num_grouped_requests"] = buffer[tail + 3 : tail + 4]
     views["saved_block_reads"] = buffer[tail + 4 : tail + 5]
+    views["stats"] = buffer[tail + 2 : tail + 5]
     views["combine_ready"] = buffer[tail + 5 : tail + 5 + ready]
     return views
 
@@ -285,6 +286,49 @@ def _fill_torch(
     views["combine_ready"].zero_()
 
 
+def _fill(
+    block_table: torch.Tensor,
+    seq: torch.Tensor,
+    starts: torch.Tensor,
+    views: dict[str, torch.Tensor],
+    sizes: PlanSizes,
+    *,
+    block_size: int,
+    num_cache_blocks: int,
+    grouping: ForestGrouping | None,
+    config: ForestKernelConfig,
+    workspace: ForestWorkspace | None,
+    backend: Backend,
+) -> None:
+    """Write one step's plan into ``views`` (int32 ``seq`` and ``starts``); never reads the device on the host."""
+    device = block_table.device
+    num_requests = block_table.shape[0]
+    if resolve_backend(backend, block_table) == "triton":
+        if grouping is not None:
+            if workspace is None:
+                workspace = ForestWorkspace(num_cache_blocks, device)
+            elif workspace.num_cache_blocks < num_cache_blocks or workspace.device != device:
+                raise PlanError(
+                    f"the workspace was made for {workspace.num_cache_blocks} cache blocks on {workspace.device}, "
+                    f"but this plan has {num_cache_blocks} blocks on {device}; make a ForestWorkspace for this cache."
+                )
+        launch_plan(block_table, seq, starts, views, sizes, block_size, grouping, workspace, config)
+        return
+    requests = torch.arange(num_requests, device=device)
+    if grouping is not None:
+        # Only blocks that lie entirely before the new query tokens can be a prefix every query sees in full.
+        seq64 = seq.to(torch.int64)
+        query_lens = (starts[1:] - starts[:-1]).to(torch.int64)
+        max_blocks = block_table.shape[1]
+        eligible = torch.div((seq64 - query_lens).clamp_min(0), block_size, rounding_mode="floor")
+        leader, prefix, grouped = _find_groups(block_table, eligible.clamp_max(max_blocks), num_cache_blocks, grouping)
+    else:
+        leader = requests.clone()
+        prefix = torch.zeros(num_requests, dtype=torch.int64, device=device)
+        grouped = torch.zeros(num_requests, dtype=torch.bool, device=device)
+    _fill_torch(views, seq.to(torch.int64), leader, prefix, grouped, sizes, block_size, config.split_granularity)
+
+
 def _build(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -307,32 +351,19 @@ def _build(
     views = _plan_buffers(num_requests, num_kv_heads, device)
     seq = seq_lens.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
-    if resolve_backend(backend, block_table) == "triton":
-        if grouping is not None:
-            if workspace is None:
-                workspace = ForestWorkspace(num_cache_blocks, device)
-            elif workspace.num_cache_blocks < num_cache_blocks or workspace.device != device:
-                raise PlanError(
-                    f"the workspace was made for {workspace.num_cache_blocks} cache blocks on {workspace.device}, "
-                    f"but this plan has {num_cache_blocks} blocks on {device}; make a ForestWorkspace for this cache."
-                )
-        launch_plan(block_table, seq, starts, views, sizes, block_size, grouping, workspace, config)
-    else:
-        requests = torch.arange(num_requests, device=device)
-        if grouping is not None:
-            # Only blocks that lie entirely before the new query tokens can be a prefix every query sees in full.
-            seq64 = seq.to(torch.int64)
-            query_lens = (starts[1:] - starts[:-1]).to(torch.int64)
-            max_blocks = block_table.shape[1]
-            eligible = torch.div((seq64 - query_lens).clamp_min(0), block_size, rounding_mode="floor")
-            leader, prefix, grouped = _find_groups(
-                block_table, eligible.clamp_max(max_blocks), num_cache_blocks, grouping
-            )
-        else:
-            leader = requests.clone()
-            prefix = torch.zeros(num_requests, dtype=torch.int64, device=device)
-            grouped = torch.zeros(num_requests, dtype=torch.bool, device=device)
-        _fill_torch(views, seq.to(torch.int64), leader, prefix, grouped, sizes, block_size, config.split_granularity)
+    _fill(
+        block_table,
+        seq,
+        starts,
+        views,
+        sizes,
+        block_size=block_size,
+        num_cache_blocks=num_cache_blocks,
+        grouping=grouping,
+        config=config,
+        workspace=workspace,
+        backend=backend,
+    )
     return ForestPlan(
         block_table=block_table,
         seq_lens=seq,

@@ -141,10 +141,13 @@ class ForestPlan:
     Work list: ``work_start [2N + 1]``, the first work item of each owner; owners ``0..N-1`` are tiles (prefix items
     of ``split_tokens[0]`` tokens), owners ``N..2N-1`` are requests (suffix items of ``split_tokens[1]`` tokens); a
     remainder under an eighth of a split joins the owner's last item.
-    Stats (int32 ``[1]`` views): ``num_groups``, ``num_grouped_requests``, ``saved_block_reads`` (per kv head, layer).
+    Stats (int32 ``[1]`` views): ``num_groups``, ``num_grouped_requests``, ``saved_block_reads`` (per kv head, layer);
+    ``stats [3]`` views all three (copy it to keep a step's counters when the plan's buffers are reused).
     ``combine_ready [N * H_kv]``: per (request, kv head), the attention items done so far in a decode call with
     ``ForestKernelConfig.early_combine``; zero after planning and again after every such call, so the decode calls
     of one plan must run in stream order.
+    ``persistent``: the plan of a ``StaticForestPlan``, refilled in place every step (its recorded launches are never
+    dropped, since a captured CUDA graph may hold their scratch).
     """
 
     block_table: torch.Tensor
@@ -164,6 +167,7 @@ class ForestPlan:
     num_groups: torch.Tensor
     num_grouped_requests: torch.Tensor
     saved_block_reads: torch.Tensor
+    stats: torch.Tensor
     combine_ready: torch.Tensor
     block_size: int
     max_query_len: int
@@ -175,6 +179,7 @@ class ForestPlan:
     max_suffix_work: int
     shares: bool
     config: ForestKernelConfig = field(default_factory=ForestKernelConfig)
+    persistent: bool = False
     # The launches of this plan's first decode call per tensor layout, replayed by later layers (forest/_replay.py);
     # filled by forest_decode, never copied by dataclasses.replace.
     launches: dict[tuple[Any, ...], tuple[Any, ...]] = field(

@@ -1,0 +1,169 @@
+"""StaticForestPlan: a plan refilled in place every step (CUDA graphs) equals a fresh plan and decodes exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arctic_dedup._triton_support import Backend
+from arctic_dedup.errors import PlanError
+from arctic_dedup.forest import (
+    ForestGrouping,
+    ForestKernelConfig,
+    StaticForestPlan,
+    forest_decode,
+    plan_forest,
+    reference_paged_attention,
+)
+from arctic_dedup.forest.testing import DecodeBatch, make_decode_batch
+
+SMALL = ForestKernelConfig(
+    prefix_block_m=16, prefix_block_n=16, suffix_block_n=16, split_granularity=16, multiprocessors=2, waves=2.0
+)
+WIDTH = 40
+PLAN_FIELDS = ("prefix_blocks", "group_leader", "tile_of", "work_start", "split_tokens", "stats")
+
+
+def _batch(seed: int, prefix_lens: list[int], suffix_lens: list[list[int]], shuffle: bool = True) -> DecodeBatch:
+    batch = make_decode_batch(prefix_lens, suffix_lens, queries_per_kv=2, shuffle=shuffle, seed=seed)
+    table = torch.zeros(batch.block_table.shape[0], WIDTH, dtype=torch.int32)
+    table[:, : batch.block_table.shape[1]] = batch.block_table
+    return DecodeBatch(**{**vars(batch), "block_table": table})
+
+
+def _static(num_requests: int, num_cache_blocks: int = 200, config: ForestKernelConfig = SMALL) -> StaticForestPlan:
+    return StaticForestPlan(
+        num_requests,
+        WIDTH,
+        block_size=16,
+        num_cache_blocks=num_cache_blocks,
+        max_query_len=1,
+        queries_per_kv=2,
+        num_kv_heads=2,
+        device="cpu",
+        config=config,
+    )
+
+
+def _fresh(batch: DecodeBatch, backend: Backend, grouping: ForestGrouping | None = None) -> object:
+    return plan_forest(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=16,
+        num_cache_blocks=200,
+        max_query_len=1,
+        queries_per_kv=2,
+        num_kv_heads=2,
+        grouping=grouping,
+        config=SMALL,
+        backend=backend,
+    )
+
+
+def _decode(batch: DecodeBatch, plan: object, backend: Backend, rows: int | None = None) -> torch.Tensor:
+    """Decode into a NaN-poisoned output of ``rows`` query rows (padding rows beyond the batch's tokens)."""
+    tokens = batch.query.shape[0]
+    rows = tokens if rows is None else rows
+    query = torch.full((rows, *batch.query.shape[1:]), float("nan"))
+    query[:tokens] = batch.query
+    out = torch.full_like(query, float("nan"))
+    lse = torch.full(query.shape[:2], float("nan"))
+    forest_decode(query, batch.key_cache, batch.value_cache, plan, 0.2, out=out, lse=lse, backend=backend)  # type: ignore[arg-type]
+    return out
+
+
+def _reference(batch: DecodeBatch) -> torch.Tensor:
+    out, _ = reference_paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 0.2
+    )
+    return out
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_static_plan_equals_a_fresh_plan_and_keeps_its_buffers(backend: Backend) -> None:
+    first = _batch(1, [70, 45], [[5, 9, 0, 3], [12, 1, 7]])
+    second = _batch(2, [100, 33, 20], [[2, 2], [40, 1, 0], [3, 8, 8]])
+    static = _static(first.block_table.shape[0])
+    addresses = {name: getattr(static.plan, name).data_ptr() for name in (*PLAN_FIELDS, "block_table", "seq_lens")}
+    grouping = ForestGrouping()
+    for batch in (first, second, first):
+        rows = batch.block_table.shape[0]
+        if rows != static.num_requests:
+            static = _static(rows)
+            addresses = {name: getattr(static.plan, name).data_ptr() for name in addresses}
+        plan = static.update(
+            batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=grouping, backend=backend
+        )
+        assert plan is static.plan
+        fresh = _fresh(batch, backend)
+        for name in PLAN_FIELDS:
+            assert torch.equal(getattr(plan, name), getattr(fresh, name)), name
+        assert (plan.max_prefix_work, plan.max_suffix_work) == (fresh.max_prefix_work, fresh.max_suffix_work)  # type: ignore[attr-defined]
+        assert {name: getattr(plan, name).data_ptr() for name in addresses} == addresses
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_reused_static_plan_decodes_every_step_exactly(backend: Backend) -> None:
+    steps = [
+        _batch(3, [70, 45], [[5, 9, 0], [12, 1, 7]]),
+        _batch(4, [38, 90], [[30, 2, 2], [0, 6, 11]]),
+        _batch(5, [20, 20, 20, 20, 20, 20], [[1]] * 6, shuffle=False),
+    ]
+    static = _static(6)
+    for batch in steps:
+        plan = static.update(
+            batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=ForestGrouping(), backend=backend
+        )
+        out = _decode(batch, plan, backend)
+        assert _relative_error(out, _reference(batch)) < 1e-5
+        assert torch.equal(out, _decode(batch, _fresh(batch, backend), backend))
+    assert int(static.plan.num_groups) == 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_padded_batch_is_exact_and_padding_is_a_no_op(backend: Backend) -> None:
+    batch = _batch(6, [70, 45], [[5, 9, 0], [12, 1]])
+    rows = batch.block_table.shape[0]
+    static = _static(rows + 3)
+    # Stale rows from an earlier, larger step must not leak into the padded step.
+    big = _batch(7, [60, 60], [[1, 2, 3, 4], [5]])
+    static.update(big.block_table, big.seq_lens, big.query_start_loc, grouping=ForestGrouping(), backend=backend)
+    plan = static.update(
+        batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=ForestGrouping(), backend=backend
+    )
+    assert plan.seq_lens[rows:].eq(0).all() and plan.query_start_loc[rows:].eq(rows).all()
+    assert int(plan.num_groups) == 2 and int(plan.num_grouped_requests) == rows
+    # As in vLLM's padded decode graphs: one query row per padded request, never written.
+    out = _decode(batch, plan, backend, rows=rows + 3)
+    assert out[rows:].isnan().all()
+    assert _relative_error(out[:rows], _reference(batch)) < 1e-5
+    unpadded = _decode(batch, _fresh(batch, backend), backend)
+    assert torch.equal(out[:rows], unpadded)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_step_without_grouping_runs_the_same_plan_per_request(backend: Backend) -> None:
+    batch = _batch(8, [70, 45], [[5, 9, 0], [12, 1, 7]])
+    static = _static(batch.block_table.shape[0])
+    static.update(batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=ForestGrouping(), backend=backend)
+    assert int(static.plan.num_groups) == 2
+    plan = static.update(batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=None, backend=backend)
+    assert int(plan.num_groups) == 0 and plan.prefix_blocks.eq(0).all() and plan.shares
+    out = _decode(batch, plan, backend)
+    assert _relative_error(out, _reference(batch)) < 1e-5
+    ungrouped = _fresh(batch, backend, ForestGrouping(max_groups=0))
+    assert torch.equal(out, _decode(batch, ungrouped, backend))
+
+
+def test_static_plan_rejects_a_batch_it_cannot_hold() -> None:
+    batch = _batch(9, [70], [[5, 9, 0]])
+    with pytest.raises(PlanError, match="static plan holds up to 2 requests"):
+        _static(2).update(batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=None)
+    narrow = batch.block_table[:, :20]
+    with pytest.raises(PlanError, match="40 blocks"):
+        _static(3).update(narrow, batch.seq_lens, batch.query_start_loc, grouping=None)
