@@ -90,6 +90,140 @@ def test_planner_sends_long_queries_and_small_batches_to_standard_attention() ->
     assert _planner(batch, num_heads=4, max_query_len=3).plan(_common_metadata(batch)) is not None
 
 
+def _padded_metadata(batch: Any, num_requests: int) -> Any:
+    """vLLM's metadata of a full-graph decode step: padded to ``num_requests`` with rows that have no query tokens,
+    zero length and the null block (block 0)."""
+    rows, width = batch.block_table.shape
+    table = torch.zeros(num_requests, width, dtype=torch.int32)
+    table[:rows] = batch.block_table
+    seq_lens = torch.zeros(num_requests, dtype=torch.int32)
+    seq_lens[:rows] = batch.seq_lens
+    starts = torch.full((num_requests + 1,), int(batch.query_start_loc[-1]), dtype=torch.int32)
+    starts[: rows + 1] = batch.query_start_loc
+    padded = SimpleNamespace(block_table=table, seq_lens=seq_lens, query_start_loc=starts)
+    metadata = _common_metadata(padded)
+    metadata.num_actual_tokens = num_requests
+    return metadata
+
+
+def _flash_forward(plan: Any, batch: Any, rows: int) -> torch.Tensor:
+    """FcaFlashAttentionImpl.forward over ``rows`` query rows (padding rows beyond the batch's tokens are NaN)."""
+    from arctic_fca.backend import FcaFlashAttentionImpl
+
+    tokens = batch.query.shape[0]
+    query = torch.full((rows, *batch.query.shape[1:]), float("nan"))
+    query[:tokens] = batch.query
+    impl = FcaFlashAttentionImpl.__new__(FcaFlashAttentionImpl)
+    impl.head_size, impl.scale = batch.query.shape[2], 0.17
+    output = torch.full_like(query, float("nan"))
+    metadata = SimpleNamespace(num_actual_tokens=rows, fca=plan)
+    kv_cache = _flash_cache(batch.key_cache, batch.value_cache)
+    impl.forward(None, query, None, None, kv_cache, metadata, output)  # type: ignore[arg-type]
+    return output
+
+
+def _reference_out(batch: Any) -> torch.Tensor:
+    ref, _ = reference_paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 0.17
+    )
+    return ref
+
+
+def _same_width(*batches: Any) -> list[Any]:
+    """The batches on one block-table width (vLLM's tables all have the model's width), padded with block 0."""
+    width = max(batch.block_table.shape[1] for batch in batches)
+    widened = []
+    for batch in batches:
+        table = torch.zeros(batch.block_table.shape[0], width, dtype=torch.int32)
+        table[:, : batch.block_table.shape[1]] = batch.block_table
+        widened.append(SimpleNamespace(**{**vars(batch), "block_table": table}))
+    return widened
+
+
+def test_captured_batch_size_keeps_one_static_plan_for_every_later_step() -> None:
+    from arctic_fca import get_stats, reset_stats
+
+    capture, first, second = _same_width(
+        make_decode_batch([32] * 8, [[1]] * 8, block_size=16, num_kv_heads=2, queries_per_kv=4, seed=6),
+        make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3),
+        make_decode_batch([50], [[1, 2, 30, 4, 5, 6]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=9),
+    )
+    planner = _planner(first, num_heads=8)
+    planner.config = type(planner.config)(enabled=True, log_interval=1000)
+    captured = planner.plan(_padded_metadata(capture, 8), capturing=True)
+    assert captured is not None and captured.persistent and list(planner.static_plans) == [(8, 1)]
+    reset_stats()
+    for batch, groups in ((first, 2), (second, 1)):
+        plan = planner.plan(_padded_metadata(batch, 8))
+        assert plan is captured
+        assert int(plan.num_groups) == groups
+        rows = batch.query.shape[0]
+        output = _flash_forward(plan, batch, rows=8)
+        assert ((output[:rows] - _reference_out(batch)).norm() / _reference_out(batch).norm()).item() < 1e-5
+        # Padded requests are no-ops: their rows stay as they were.
+        assert output[rows:].isnan().all()
+    planner.flush_stats()
+    stats = get_stats()
+    assert (stats.steps, stats.groups, stats.requests, stats.grouped_requests) == (2, 3, 11, 11)
+    # A size that no graph holds gets a plan of its own each step.
+    unpadded = planner.plan(_common_metadata(first))
+    assert unpadded is not None and not unpadded.persistent and unpadded.num_requests == 5
+
+
+def test_paused_fca_plans_captured_sizes_without_groups_and_others_not_at_all() -> None:
+    from arctic_fca import get_stats, reset_stats, set_active
+
+    capture, batch = _same_width(
+        make_decode_batch([32] * 8, [[1]] * 8, block_size=16, num_kv_heads=2, queries_per_kv=4, seed=6),
+        make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3),
+    )
+    planner = _planner(batch, num_heads=8)
+    planner.plan(_padded_metadata(capture, 8), capturing=True)
+    reset_stats()
+    set_active(False)
+    try:
+        plan = planner.plan(_padded_metadata(batch, 8))
+        assert planner.plan(_common_metadata(batch)) is None
+    finally:
+        set_active(True)
+    # The captured graph reads this plan: it must hold this step, with no groups (per-request decode, exact).
+    assert plan is not None and int(plan.num_groups) == 0 and plan.prefix_blocks.eq(0).all()
+    output = _flash_forward(plan, batch, rows=8)
+    rows = batch.query.shape[0]
+    assert ((output[:rows] - _reference_out(batch)).norm() / _reference_out(batch).norm()).item() < 1e-5
+    assert get_stats().standard_steps == 2
+
+
+def test_graph_support_is_uniform_decode_and_capture_builds_a_static_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import fields
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata, FlashAttentionMetadataBuilder
+
+    from arctic_fca.backend import FcaFlashMetadata, FcaFlashMetadataBuilder
+
+    flash = FlashAttentionMetadataBuilder.get_cudagraph_support(None, None)  # type: ignore[arg-type]
+    support = FcaFlashMetadataBuilder.get_cudagraph_support(None, None)  # type: ignore[arg-type]
+    assert support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    monkeypatch.setenv("ARCTIC_FCA_MAX_QUERY_LEN", "3")
+    speculative = FcaFlashMetadataBuilder.get_cudagraph_support(None, None)  # type: ignore[arg-type]
+    assert speculative.value == min(AttentionCGSupport.UNIFORM_BATCH.value, flash.value)
+    monkeypatch.delenv("ARCTIC_FCA_MAX_QUERY_LEN")
+
+    empty = FlashAttentionMetadata(**{field.name: None for field in fields(FlashAttentionMetadata) if field.init})
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "build", lambda self, *args, **kwargs: empty)
+    (batch,) = _same_width(
+        make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3)
+    )
+    builder = FcaFlashMetadataBuilder.__new__(FcaFlashMetadataBuilder)
+    builder.forest_planner = _planner(batch, num_heads=8)
+    builder._capturing = False
+    captured = builder.build_for_cudagraph_capture(_padded_metadata(batch, 8))
+    assert isinstance(captured, FcaFlashMetadata) and captured.fca is not None and captured.fca.persistent
+    later = builder.build(0, _padded_metadata(batch, 8))
+    assert later.fca is captured.fca and not builder._capturing
+
+
 def test_cpu_planner_sends_ungrouped_steps_to_cpu_attention() -> None:
     from arctic_fca import get_stats, reset_stats
 

@@ -10,6 +10,15 @@ On CUDA the plan is built once per step by the metadata builder (three small lau
 workspace kept by the planner, never waiting for the device) and read by every layer; a step where grouping finds
 nothing runs each request as one work item of the same attention kernel, i.e. arctic's per-request paged decode.
 On CPU the plan is read on the host (free there) and such a step goes to CPU_ATTN.
+
+Full CUDA graphs (CUDA): the builder supports vLLM's full graphs of uniform decode batches (query length 1, or up to
+``ARCTIC_FCA_MAX_QUERY_LEN`` with speculative decoding). Each batch size vLLM captures gets a ``StaticForestPlan``
+when its graph is captured (``build_for_cudagraph_capture``); from then on every step of that (padded) size is
+planned, outside the graph, into that plan's persistent buffers, and the captured ``forest_decode`` launches read
+them. Whether a step of a captured size uses FCA depends only on what is fixed for its graph (batch size, query
+length, the layers), never on ``is_active()``: a paused FCA plans such steps with no groups (FCA's per-request
+decode, the same attention) instead of switching backends under a graph that cannot switch. vLLM's warm-up runs
+before each capture compile every kernel variant the captured sizes use, so decoding compiles nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from arctic_dedup.forest import ForestPlan, ForestWorkspace, forest_decode, plan_forest
+from arctic_dedup.forest import ForestPlan, ForestWorkspace, StaticForestPlan, forest_decode, plan_forest
 from arctic_fca.config import FcaConfig, is_active
 from arctic_fca.stats import LOGGER_NAME, record_standard_step, record_step
 
@@ -98,7 +107,9 @@ class ForestPlanner:
         self.on_cpu = on_cpu
         self._layers: dict[str, Any] | None = None
         self._workspace: ForestWorkspace | None = None
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # One persistent plan per captured (padded batch size, query length): a full CUDA graph reads its buffers.
+        self.static_plans: dict[tuple[int, int], StaticForestPlan] = {}
+        self._pending: list[tuple[int, torch.Tensor]] = []
         self._steps_since_log = 0
         _planners.add(self)
 
@@ -114,44 +125,71 @@ class ForestPlanner:
             return None
         first = next(iter(layers.values()))
         cache = getattr(first, "kv_cache", None)
+        # Some vLLM releases keep one cache per virtual engine in a list.
+        if isinstance(cache, (list, tuple)) and cache:
+            cache = cache[0]
         if not isinstance(cache, torch.Tensor) or cache.numel() == 0:
             return None
         supported = all(_impl_supported(layer.impl) for layer in layers.values())
         return supported, int(first.impl.num_heads), int(cache.shape[0])
 
-    def plan(self, metadata: CommonAttentionMetadata) -> ForestPlan | None:
+    def _workspace_for(self, num_cache_blocks: int, device: torch.device) -> ForestWorkspace:
+        # The group finder's scratch is zero after every plan: one per KV cache, reused every step (stream order).
+        workspace = self._workspace
+        if workspace is None or workspace.num_cache_blocks != num_cache_blocks or workspace.device != device:
+            workspace = self._workspace = ForestWorkspace(num_cache_blocks, device)
+        return workspace
+
+    def plan(self, metadata: CommonAttentionMetadata, capturing: bool = False) -> ForestPlan | None:
+        """This step's plan, or ``None`` for standard attention; ``capturing``: vLLM captures a full CUDA graph of
+        this batch (it gets a static plan, used by every later step of its size)."""
         num_requests = metadata.num_reqs
         facts = self._layer_facts()
-        eligible = (
-            is_active()
-            and facts is not None
+        # Everything here is fixed for a captured graph's batches: the choice a graph captured stays right for it.
+        fits = (
+            facts is not None
             and facts[0]
             and metadata.max_query_len <= self.config.max_query_len
             and num_requests >= self.config.min_group_size
             and facts[1] % self.num_kv_heads == 0
         )
-        if not eligible or facts is None:
+        if not fits or facts is None:
             record_standard_step()
             return None
         _, num_heads, num_cache_blocks = facts
-        table = metadata.block_table_tensor
-        workspace = None
+        table = metadata.block_table_tensor[:num_requests]
+        max_query_len = max(1, metadata.max_query_len)
         if not self.on_cpu:
-            # The group finder's scratch is zero after every plan: one per KV cache, reused every step.
-            workspace = self._workspace
-            if workspace is None or workspace.num_cache_blocks != num_cache_blocks or workspace.device != table.device:
-                workspace = self._workspace = ForestWorkspace(num_cache_blocks, table.device)
+            key = (num_requests, max_query_len)
+            static = self.static_plans.get(key)
+            if static is None and capturing:
+                static = self.static_plans[key] = StaticForestPlan(
+                    num_requests,
+                    int(table.shape[1]),
+                    block_size=self.block_size,
+                    num_cache_blocks=num_cache_blocks,
+                    max_query_len=max_query_len,
+                    queries_per_kv=num_heads // self.num_kv_heads,
+                    num_kv_heads=self.num_kv_heads,
+                    device=table.device,
+                    workspace=self._workspace_for(num_cache_blocks, table.device),
+                )
+            if static is not None:
+                return self._plan_static(static, metadata, record=not capturing)
+        if not is_active():
+            record_standard_step()
+            return None
         plan = plan_forest(
-            metadata.block_table_tensor[:num_requests],
+            table,
             metadata.seq_lens[:num_requests],
             metadata.query_start_loc[: num_requests + 1],
             block_size=self.block_size,
             num_cache_blocks=num_cache_blocks,
-            max_query_len=max(1, metadata.max_query_len),
+            max_query_len=max_query_len,
             queries_per_kv=num_heads // self.num_kv_heads,
             num_kv_heads=self.num_kv_heads,
             grouping=self.grouping,
-            workspace=workspace,
+            workspace=None if self.on_cpu else self._workspace_for(num_cache_blocks, table.device),
         )
         if self.on_cpu:
             groups = int(plan.num_groups.item())
@@ -167,22 +205,42 @@ class ForestPlanner:
                 log=log,
             )
             return plan if groups > 0 else None
+        self._defer_stats(num_requests, plan.stats)
+        return plan
+
+    def _plan_static(self, static: StaticForestPlan, metadata: CommonAttentionMetadata, record: bool) -> ForestPlan:
+        num_requests = static.num_requests
+        active = is_active()
+        plan = static.update(
+            metadata.block_table_tensor[:num_requests],
+            metadata.seq_lens[:num_requests],
+            metadata.query_start_loc[: num_requests + 1],
+            grouping=self.grouping if active else None,
+        )
+        # A capture's dummy batch is no step of the user's.
+        if not record:
+            return plan
+        if not active:
+            record_standard_step()
+            return plan
+        # vLLM pads a graph's batch with requests that have no query tokens; the stats count the real ones.
+        starts = metadata.query_start_loc_cpu[: num_requests + 1]
+        real_requests = int((starts[1:] > starts[:-1]).sum())
+        # The static plan's counters are overwritten next step: keep a copy until they are read.
+        self._defer_stats(real_requests, plan.stats.clone())
+        return plan
+
+    def _defer_stats(self, num_requests: int, stats: torch.Tensor) -> None:
         # Reading the counters waits for the device: collect them and read a batch every log_interval steps.
-        self._pending.append((num_requests, plan.num_groups, plan.num_grouped_requests, plan.saved_block_reads))
+        self._pending.append((num_requests, stats))
         if len(self._pending) >= self.config.log_interval:
             self.flush_stats()
-        return plan
 
     def flush_stats(self) -> None:
         pending, self._pending = self._pending, []
-        for index, (requests, groups, grouped, saved) in enumerate(pending):
-            record_step(
-                requests,
-                int(groups.item()),
-                int(grouped.item()),
-                int(saved.item()) * self.bytes_per_block,
-                log=index == len(pending) - 1,
-            )
+        for index, (requests, stats) in enumerate(pending):
+            groups, grouped, saved = stats.tolist()
+            record_step(requests, groups, grouped, saved * self.bytes_per_block, log=index == len(pending) - 1)
 
 
 def _with_plan(metadata_class: type, base: Any, plan: ForestPlan | None) -> Any:
@@ -229,17 +287,39 @@ class FcaFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.forest_planner = ForestPlanner(kv_cache_spec, layer_names, vllm_config, on_cpu=False)
+        self._capturing = False
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any) -> AttentionCGSupport:
-        # The impl picks FCA or FlashAttention per step in Python; piecewise graphs run attention eagerly.
-        return AttentionCGSupport.NEVER
+        # FCA captures uniform decode batches (every request ARCTIC_FCA_MAX_QUERY_LEN or fewer query tokens, all the
+        # same); every other batch runs FlashAttention, so the support is never more than FlashAttention's own.
+        fca = (
+            AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+            if FcaConfig.from_env().max_query_len == 1
+            else AttentionCGSupport.UNIFORM_BATCH
+        )
+        flash = super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        return fca if fca.value <= flash.value else flash
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> FcaFlashMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return _with_plan(FcaFlashMetadata, base, self.forest_planner.plan(common_attn_metadata))  # type: ignore[no-any-return]
+        plan = self.forest_planner.plan(common_attn_metadata, capturing=self._capturing)
+        return _with_plan(FcaFlashMetadata, base, plan)  # type: ignore[no-any-return]
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> FcaFlashMetadata:
+        """The metadata of a batch vLLM captures in a full CUDA graph: its plan is the static plan of its size."""
+        self._capturing = True
+        try:
+            metadata = super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._capturing = False
+        if isinstance(metadata, FcaFlashMetadata):
+            return metadata
+        # A FlashAttention release that builds capture metadata without calling build(): plan here instead.
+        plan = self.forest_planner.plan(common_attn_metadata, capturing=True)
+        return _with_plan(FcaFlashMetadata, metadata, plan)  # type: ignore[no-any-return]
 
 
 class FcaFlashAttentionImpl(FlashAttentionImpl):
