@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from arctic_dedup.forest import (
+    ForestGrouping,
     ForestKernelConfig,
     ForestWorkspace,
+    StaticForestPlan,
     forest_decode,
     paged_decode,
     plan_forest,
@@ -435,3 +437,106 @@ def test_layers_after_the_first_replay_the_recorded_launches_exactly() -> None:
     assert len(plan.launches) == 2
     _check(out, lse, first, 0.1)
     assert replace(plan, block_table=plan.block_table.clone()).launches == {}
+
+
+def _graph_steps() -> list[tuple[DecodeBatch, bool]]:
+    """Decode steps of changing shape for one captured batch size (13 requests padded to 16): (batch, grouping on).
+    Step 2 shares nothing (grouping finds no group); step 4 is planned with grouping off."""
+    rng = random.Random(5)
+    steps = []
+    for seed, (groups, samples) in enumerate([(2, 6), (4, 3), (13, 1), (1, 13), (3, 4)]):
+        prefix_lens = [rng.randint(40, 700) for _ in range(groups)]
+        sizes = [samples] * groups
+        sizes[-1] += 13 - sum(sizes)
+        suffix_lens = [[rng.randint(0, 200) for _ in range(size)] for size in sizes]
+        batch = make_decode_batch(
+            prefix_lens,
+            suffix_lens,
+            queries_per_kv=4,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            device="cuda",
+            shuffle=True,
+            seed=seed,
+        )
+        steps.append((batch, seed != 4))
+    return steps
+
+
+def test_static_plan_decode_in_a_cuda_graph_replays_every_step_exactly() -> None:
+    """vLLM's full decode graphs: the plan is refilled outside the graph every step into a StaticForestPlan's fixed
+    buffers; the captured decode (two layers) replays exactly what eager calls write over the same plan, matches the
+    per-request reference, and never writes the padded requests' rows."""
+    steps = _graph_steps()
+    padded, tokens = 16, 13
+    width = max(batch.block_table.shape[1] for batch, _ in steps)
+    blocks = max(batch.key_cache.shape[0] for batch, _ in steps)
+    # The graph holds the caches' addresses: every step writes its KV into the same cache tensors (two layers).
+    caches = [torch.zeros(blocks, 16, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    query = torch.empty(padded, 8, 128, dtype=torch.bfloat16, device="cuda")
+    outs = [torch.empty_like(query) for _ in range(2)]
+    lses = [torch.empty(padded, 8, device="cuda") for _ in range(2)]
+    static = StaticForestPlan(
+        padded,
+        width,
+        block_size=16,
+        num_cache_blocks=blocks,
+        max_query_len=1,
+        queries_per_kv=4,
+        num_kv_heads=2,
+        device="cuda",
+    )
+
+    def load(batch: DecodeBatch, grouped: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        table = torch.zeros(tokens, width, dtype=torch.int32, device="cuda")
+        table[:, : batch.block_table.shape[1]] = batch.block_table
+        used = batch.key_cache.shape[0]
+        for layer in range(2):
+            # Layer 1 reads the step's caches the other way round, so the two layers differ.
+            caches[2 * layer][:used].copy_(batch.key_cache if layer == 0 else batch.value_cache)
+            caches[2 * layer + 1][:used].copy_(batch.value_cache if layer == 0 else batch.key_cache)
+        query[:tokens].copy_(batch.query)
+        query[tokens:].fill_(float("nan"))
+        static.update(table, batch.seq_lens, batch.query_start_loc, grouping=ForestGrouping() if grouped else None)
+        return table, batch.seq_lens, batch.query_start_loc
+
+    def layers() -> None:
+        for layer in range(2):
+            key_cache, value_cache = caches[2 * layer], caches[2 * layer + 1]
+            forest_decode(query, key_cache, value_cache, static.plan, 0.1, out=outs[layer], lse=lses[layer])
+
+    load(*steps[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layers()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layers()
+    for index, (batch, grouped) in enumerate(steps):
+        table, seq_lens, starts = load(batch, grouped)
+        for out, lse in zip(outs, lses, strict=True):
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        graph.replay()
+        replayed = [(out.clone(), lse.clone()) for out, lse in zip(outs, lses, strict=True)]
+        assert (int(static.plan.num_groups) > 0) == (grouped and index != 2), index
+        layers()
+        for layer, (out, lse) in enumerate(replayed):
+            assert torch.equal(out[:tokens], outs[layer][:tokens]), (index, layer)
+            assert torch.equal(lse[:tokens], lses[layer][:tokens]), (index, layer)
+            assert out[tokens:].isnan().all() and lse[tokens:].isnan().all(), (index, layer)
+            key_cache, value_cache = caches[2 * layer], caches[2 * layer + 1]
+            used = DecodeBatch(
+                query=query[:tokens],
+                key_cache=key_cache,
+                value_cache=value_cache,
+                block_table=table,
+                seq_lens=seq_lens,
+                query_start_loc=starts,
+                max_query_len=1,
+                unique_tokens=batch.unique_tokens,
+                total_tokens=batch.total_tokens,
+            )
+            _check(out[:tokens], lse[:tokens], used, 0.1)

@@ -378,6 +378,7 @@ def _build(
         max_suffix_work=sizes.max_suffix_work,
         shares=grouping is not None,
         config=config,
+        persistent=False,
         **views,
     )
 
