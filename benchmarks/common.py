@@ -14,10 +14,16 @@ from typing import Any
 import torch
 
 RESULTS_DIR = Path(__file__).parent / "results"
+# Probe outputs and one-off measurements (benchmarks/lab): kept for the record, apart from the headline results.
+LAB_RESULTS_DIR = Path(__file__).parent / "lab" / "results"
 
 
 def default_out_dir() -> Path:
     return Path(os.environ.get("OUT") or RESULTS_DIR)
+
+
+def default_lab_out_dir() -> Path:
+    return Path(os.environ.get("OUT") or LAB_RESULTS_DIR)
 
 
 def run_metadata() -> dict[str, Any]:

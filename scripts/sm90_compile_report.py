@@ -11,7 +11,7 @@ The constexprs are the launchers' for the hybrid benchmark's shapes (bf16 and fp
 forest decode passes, specialized as Triton's launcher would (alignment and divisibility hints): with them the forest
 passes report what the H200 runs measured (tuning-round diagnosis in git history: prefix pass 64x64 tiles 112 KB / ~254
 registers, suffix pass 37 KB / 112 and 70 KB / 162 with Triton 3.6). The reports of the last runs are committed as
-benchmarks/results/sm90_compile_report.txt (Triton 3.7.1) and sm90_compile_report_triton36.txt (``--out``; put
+benchmarks/lab/results/sm90_compile_report.txt (Triton 3.7.1) and sm90_compile_report_triton36.txt (``--out``; put
 Triton 3.6 first on PYTHONPATH, e.g. ``uv pip install --target /tmp/t36 --no-deps triton==3.6.0``).
 """
 

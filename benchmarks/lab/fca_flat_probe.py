@@ -42,7 +42,7 @@ import triton.language as tl
 # The lab imports the shared harness and the main benchmarks from benchmarks/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, default_out_dir, print_table, write_results
+from common import copy_bandwidth_gbps, default_lab_out_dir, print_table, write_results
 from fca_decode import _graph_time_us
 from fca_loop_probe import MODES, ProbeShape, Setup, _softmax_step
 
@@ -306,7 +306,7 @@ def main() -> None:
     bad = [row for row in rows if not row["ok"]]
     summary.update(seconds=time.time() - started, ok=not bad)
     print_table(rows, ["shape", "form", "programs", "stages", "us", "MB", "TBps", "registers", "max_abs_error"])
-    path = write_results(args.out or default_out_dir(), "fca_flat_probe", summary, rows)
+    path = write_results(args.out or default_lab_out_dir(), "fca_flat_probe", summary, rows)
     print(f"{'ok' if not bad else 'FAILED'} in {summary['seconds']:.0f} s | wrote {path}", flush=True)
     if bad:
         sys.exit(1)

@@ -44,7 +44,7 @@ import triton.language as tl
 # The lab imports the shared harness and the main benchmarks from benchmarks/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_out_dir, print_table, write_results
+from common import default_lab_out_dir, print_table, write_results
 from fca_decode import _graph_time_us
 
 # The gather mode last: a fault there (an illegal address ends the CUDA context) keeps the others' rows.
@@ -308,7 +308,7 @@ def main() -> None:
     summary = {"seconds": time.time() - started, "ok": not bad}
     print_table(rows, ["shape", "ids", "stages", "us", "MB", "TBps", "registers", "shared_KB", "max_abs_error"])
     path = write_results(
-        args.out or default_out_dir(),
+        args.out or default_lab_out_dir(),
         "fca_loop_probe_suffix_ids" if args.suffix_ids else "fca_loop_probe_sweep" if args.sweep else "fca_loop_probe",
         summary,
         rows,

@@ -17,7 +17,7 @@ import torch
 # The lab imports the shared harness from benchmarks/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import default_out_dir, print_table, write_results
+from common import default_lab_out_dir, print_table, write_results
 
 
 def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
@@ -34,7 +34,7 @@ def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=default_out_dir())
+    parser.add_argument("--out", type=Path, default=default_lab_out_dir())
     args = parser.parse_args()
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 

@@ -27,12 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "packages" / "arctic-zorro-train" / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import default_out_dir, run_metadata  # noqa: E402
+from common import default_lab_out_dir, run_metadata  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=default_out_dir())
+    parser.add_argument("--out", type=Path, default=default_lab_out_dir())
     parser.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_5"])
     parser.add_argument("--seeds", type=int, nargs="*", default=[2], help="qwen3_5: the batch seeds")
     args = parser.parse_args()

@@ -27,7 +27,7 @@ import torch
 # The lab imports the shared harness and the main benchmarks from benchmarks/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import default_out_dir, run_metadata
+from common import default_lab_out_dir, run_metadata
 from zorro_train import (
     FLA_640_NOTE,
     PEAK_TFLOPS,
@@ -118,7 +118,7 @@ def profile_step(step: Any, model: Any, top_kernels: int = 30) -> dict[str, Any]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=default_out_dir())
+    parser.add_argument("--out", type=Path, default=default_lab_out_dir())
     parser.add_argument("--backend", default="flex")
     parser.add_argument("--baseline-samples", type=int, default=2)
     parser.add_argument("--model", choices=["dense", "hybrid"], default="dense")

@@ -15,7 +15,7 @@ systematic error spread thinly over many parameters shows there.
 The hybrid test has two non-dedup controls (the packed baseline and plain transformers on each sample) and bounds
 the dedup run by the larger of their distances: its ``A_log`` and ``dt_bias`` have 8 values per layer, and for such
 tiny vectors two equally valid non-dedup bf16 runs land up to 4.7x apart in ``1 - cos`` to the truth
-(benchmarks/results/zorro_bf16_noise_qwen3_5.json, H200, seeds 0-2: the packed baseline with and without the fused
+(benchmarks/lab/results/zorro_bf16_noise_qwen3_5.json, H200, seeds 0-2: the packed baseline with and without the fused
 kernels, and plain transformers), so one control alone is no noise estimate there; a third control measured against
 the larger of the other two reached 1.49x, the dedup run 1.14-1.60x.
 

@@ -4,7 +4,7 @@ The SwiGLU of the MLPs (``silu(gate) * up``: two elementwise kernels forward, th
 is the ``"memory"`` logits mode's per-chunk log-softmax math (``arctic_zorro_train.kernels.logprobs``, all
 families; ``token_logprobs(fused=...)``).
 On the H200 the hybrid families' torch glue around the big matrix multiplies costs more than the Gated DeltaNet
-kernels themselves (``benchmarks/results/zorro_profile_hybrid.json``): every RMSNorm is ~6 fp32 elementwise passes
+kernels themselves (``benchmarks/lab/results/zorro_profile_hybrid.json``): every RMSNorm is ~6 fp32 elementwise passes
 forward and more backward, the gated RMSNorm of every Gated DeltaNet layer the same over ``[tokens * heads, 128]``,
 and the depthwise causal conv runs cuDNN-less ``conv_depthwise2d`` over a transposed copy. The kernels in
 ``arctic_zorro_train.kernels`` compute the same formulas (casts included) in one pass each way; they serve the

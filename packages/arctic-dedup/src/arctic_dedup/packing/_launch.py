@@ -67,7 +67,7 @@ def launch_scatter_copies(
     Each program reads one source row (one column block of it) once and stores it to all of its copies,
     ``copies_per_step`` output rows per store instruction, so a row shared by many samples costs one read from
     memory; output rows without a source get ``fill_value`` from one ``index_fill_``. The defaults won the H200
-    sweeps (benchmarks/results/pack_unpack_full_sweep.json, then pack_unpack.json: 3.42-3.54 TB/s, 80.5-83.4% of
+    sweeps (benchmarks/lab/results/pack_unpack_full_sweep.json, then pack_unpack.json: 3.42-3.54 TB/s, 80.5-83.4% of
     the copy rate, against at most 3.09 TB/s for the gather).
     """
     from arctic_dedup.packing._kernels import scatter_copies_kernel

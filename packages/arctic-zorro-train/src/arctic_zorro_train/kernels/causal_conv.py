@@ -3,7 +3,7 @@
 
 Works on the ``[T, C]`` layout directly (channels contiguous), so no transposed copies: ``F.conv1d`` needs
 ``[1, C, T]`` and its depthwise kernels run far slower than the bytes need on the H200 (the hybrid profile,
-``benchmarks/results/zorro_profile_hybrid.json``: 0.78 ms per forward over [8192, 8704]). Programs tile
+``benchmarks/lab/results/zorro_profile_hybrid.json``: 0.78 ms per forward over [8192, 8704]). Programs tile
 ``[BLOCK_T, BLOCK_C]``; each of the ``K`` taps is one load of the tile shifted by a few rows (the halo rows come
 from L1/L2, so HBM sees each element about once).
 
@@ -51,7 +51,7 @@ class CausalConvTiles:
     # benchmarks/fused_kernels.py re-times the backward's candidates). Tiles of more than 64 elements per thread
     # spill. The backward wants all of a tile's rows in each thread (1024 channels = 4 warps x 32 lanes x 8): its
     # column sums then need no cross-warp reduction. With Triton 3.7.1 that default spills 260 bytes per thread
-    # (benchmarks/results/sm90_compile_report.txt).
+    # (benchmarks/lab/results/sm90_compile_report.txt).
 
     forward_block_t: int = 16
     forward_block_c: int = 512
