@@ -112,8 +112,7 @@ def test_results_folder_holds_only_latest_results_and_notes() -> None:
         path.name
         for path in RESULTS.iterdir()
         if not (
-            path.name.endswith("_notes.md")
-            or (path.suffix in (".json", ".png", ".txt") and path.stem in benchmarks)
+            path.name.endswith("_notes.md") or (path.suffix in (".json", ".png", ".txt") and path.stem in benchmarks)
         )
     ]
     assert not strays, f"move these to benchmarks/lab/results/: {strays}"
