@@ -1,6 +1,7 @@
 import json
 import math
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 from arctic_rl.config import (
     ArcticRLClientConfig,
     FcaSection,
+    HttpConfig,
     SamplingConfig,
     TrainingConfig,
     WeightSyncConfig,
@@ -64,14 +66,57 @@ def test_gloo_weight_sync_is_allowed_on_any_device() -> None:
         make(device="cpu", weight_sync={"method": "gloo", "timeout_s": 0})
 
 
-def test_extra_fields_are_refused_everywhere() -> None:
-    with pytest.raises(ValidationError, match="extra"):
+def test_extra_fields_are_refused_everywhere_with_the_known_keys() -> None:
+    with pytest.raises(ValidationError, match=r"unknown key 'trainign_gpus' \(did you mean 'training_gpus'\?\)"):
         make(trainign_gpus=2)
-    with pytest.raises(ValidationError, match="extra"):
+    with pytest.raises(ValidationError, match=r"unknown key 'learning_rate' .*the known keys are \['betas', "):
         make(training={"learning_rate": 1e-5})
-    for section in (TrainingConfig, ZorroTrainSection, SamplingConfig, FcaSection, WeightSyncConfig):
-        with pytest.raises(ValidationError, match="extra"):
+    with pytest.raises(ValidationError, match=r"unknown key 'enabled' \(did you mean 'enable'\?\) in FcaSection"):
+        make(fca={"enabled": True})
+    for section in (TrainingConfig, ZorroTrainSection, SamplingConfig, FcaSection, WeightSyncConfig, HttpConfig):
+        with pytest.raises(ValidationError, match=r"unknown key 'unknown' in .*the known keys are \["):
             section(unknown=1)
+    # Nothing close: no guess, still the list.
+    with pytest.raises(ValidationError, match=r"unknown key 'zzz' in ArcticRLClientConfig; the known keys are"):
+        make(zzz=1)
+
+
+@pytest.mark.parametrize(("field", "least"), [("training_gpus", 1), ("sampling_gpus", 1), ("log_prob_gpus", 0)])
+def test_engine_counts_below_the_minimum_say_they_count_cpu_workers_on_a_cpu(field: str, least: int) -> None:
+    with pytest.raises(ValidationError, match=rf"{field} must be >= {least}, got -1\. .*CPU workers"):
+        make(**{field: -1})
+    if least:
+        with pytest.raises(ValidationError, match=rf"{field} must be >= 1, got 0\. .*use {field}=1"):
+            make(**{field: 0})
+
+
+def test_a_model_path_that_is_no_directory_fails_at_config_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValidationError, match=r"model_name='/no/such/model': directory not found\. "):
+        make_with_model("/no/such/model")
+    with pytest.raises(ValidationError, match=r"directory not found \(relative to the working directory"):
+        make_with_model("./tiny-qwen3")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValidationError, match="is a file, not a model directory"):
+        make_with_model(str(tmp_path / "weights.bin"))
+    with pytest.raises(ValidationError, match=r"tokenizer_name='tok/a/b': directory not found"):
+        ArcticRLClientConfig(model_name="Qwen/Qwen3-4B", tokenizer_name="tok/a/b")
+    (tmp_path / "tiny-qwen3").mkdir()
+    # Existing directories and hub ids pass; so do paths meant for a remote cluster or an already running server.
+    assert make_with_model("./tiny-qwen3").model_name == "./tiny-qwen3"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert make_with_model("~/tiny-qwen3").model_name == "~/tiny-qwen3"
+    assert make_with_model("Qwen/Qwen3-4B").model_name == "Qwen/Qwen3-4B"
+    assert make_with_model("/models/tiny", ray_address="ray://head:10001").model_name == "/models/tiny"
+    assert make_with_model("/models/tiny", comm_protocol="http").model_name == "/models/tiny"
+    with pytest.raises(ValidationError, match="directory not found"):
+        make_with_model("/models/tiny", comm_protocol="http", launch_local_server=True)
+
+
+def make_with_model(model_name: str, **overrides: Any) -> ArcticRLClientConfig:
+    return ArcticRLClientConfig(model_name=model_name, **overrides)
 
 
 def test_config_is_frozen() -> None:
@@ -200,6 +245,10 @@ json_values = st.recursive(
 )
 
 
+# Names a local-path check leaves alone (no such directory exists here): Hugging Face hub ids.
+hub_ids = st.from_regex(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,8}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,8}", fullmatch=True)
+
+
 @st.composite
 def configs(draw: st.DrawFn) -> ArcticRLClientConfig:
     tp = draw(st.sampled_from([1, 2, 4]))
@@ -213,8 +262,8 @@ def configs(draw: st.DrawFn) -> ArcticRLClientConfig:
     schedule = draw(st.sampled_from(["constant", "linear", "cosine"]))
     total = draw(st.integers(1, 1000)) if schedule != "constant" else draw(st.none() | st.integers(1, 1000))
     return ArcticRLClientConfig(
-        model_name=draw(st.text(min_size=1, max_size=10)),
-        tokenizer_name=draw(st.none() | st.text(max_size=10)),
+        model_name=draw(hub_ids),
+        tokenizer_name=draw(st.none() | hub_ids),
         comm_protocol=draw(st.sampled_from(["ray", "http"])),
         training_gpus=training_gpus,
         sampling_gpus=sampling_gpus,

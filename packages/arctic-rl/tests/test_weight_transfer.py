@@ -64,20 +64,20 @@ def test_transfer_backends_follow_the_sync_method() -> None:
 
 
 def _cpu_config(**overrides: Any) -> ArcticRLClientConfig:
-    values: dict[str, Any] = {"model_name": "/models/tiny", "device": "cpu", "seed": 7}
+    values: dict[str, Any] = {"model_name": "models/tiny", "device": "cpu", "seed": 7}
     values.update(overrides)
     return ArcticRLClientConfig(**values)
 
 
 def test_engine_arguments_on_the_cpu() -> None:
     config = _cpu_config(
-        tokenizer_name="/models/tok",
+        tokenizer_name="models/tok",
         sampling={"max_model_len": 512, "max_num_seqs": 8, "engine_args": {"block_size": 32}},
     )
     arguments = vllm_engine_arguments(config)
     assert arguments == {
-        "model": "/models/tiny",
-        "tokenizer": "/models/tok",
+        "model": "models/tiny",
+        "tokenizer": "models/tok",
         "dtype": "float32",
         "seed": 7,
         "tensor_parallel_size": 1,

@@ -7,12 +7,15 @@ with a message saying how to fix it, before any Ray actor or engine starts.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import re
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from arctic_rl.errors import ConfigError
 
@@ -57,8 +60,28 @@ _ENGINE_ARGS_OWNED_KEYS: dict[str, str] = {
 }
 
 
+def _refuse_unknown_keys(model: type[BaseModel], data: Any) -> Any:
+    """Name each unknown key with the closest known one and list them all (pydantic's own message names neither)."""
+    if not isinstance(data, dict):
+        return data
+    known = sorted(model.model_fields)
+    unknown = [key for key in data if key not in model.model_fields]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"unknown key {', '.join(hints)} in {model.__name__}; the known keys are {known}.")
+    return data
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, data: Any) -> Any:
+        return _refuse_unknown_keys(cls, data)
 
 
 class TrainingConfig(_Section):
@@ -362,6 +385,24 @@ class ArcticRLClientConfig(BaseModel):
     fca: FcaSection = Field(default_factory=FcaSection, description="Forest Cascade Attention in the sampler.")
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="Trainer -> sampler sync.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, data: Any) -> Any:
+        return _refuse_unknown_keys(cls, data)
+
+    @field_validator("training_gpus", "sampling_gpus", "log_prob_gpus", mode="before")
+    @classmethod
+    def _engine_counts_say_what_they_count(cls, value: Any, info: ValidationInfo) -> Any:
+        # Runs before the `ge` bound, whose bare message does not say that on a CPU these count workers.
+        least = 0 if info.field_name == "log_prob_gpus" else 1
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise ValueError(
+                f"{info.field_name} must be >= {least}, got {value}. It counts GPUs, or, on a machine without CUDA "
+                f"(or with device='cpu'), CPU workers of that engine (each runs one engine process): use "
+                f"{info.field_name}={max(least, 1)} for one worker."
+            )
+        return value
+
     @field_validator("ds_config")
     @classmethod
     def _ds_config_passes_through(cls, ds_config: dict[str, Any]) -> dict[str, Any]:
@@ -382,7 +423,27 @@ class ArcticRLClientConfig(BaseModel):
         self._check_log_prob_engine()
         self._check_ds_config_stage()
         self._check_http()
+        self._check_model_paths()
         return self
+
+    def _check_model_paths(self) -> None:
+        # Engines this process starts on this machine (a local Ray, or a launched local server) read the model
+        # here; a value that cannot be a hub id must then be a local directory. Said now, not minutes later by the
+        # hub client refusing it as a repo id. A remote cluster or server may hold paths this machine does not.
+        starts_here = self.launch_local_server if self.comm_protocol == "http" else self.ray_address is None
+        if not starts_here:
+            return
+        for name in ("model_name", "tokenizer_name"):
+            value = getattr(self, name)
+            if value is None or _HUB_ID.fullmatch(value) or Path(value).expanduser().is_dir():
+                continue
+            path = Path(value).expanduser()
+            where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+            problem = "is a file, not a model directory" if path.exists() else "not found"
+            raise ValueError(
+                f"{name}={value!r}: directory {problem}{where}. Give a local model directory (holding config.json) "
+                "or a Hugging Face hub id such as 'Qwen/Qwen3-4B'."
+            )
 
     def _check_http(self) -> None:
         if self.launch_local_server and self.comm_protocol != "http":
@@ -507,6 +568,10 @@ class ArcticRLClientConfig(BaseModel):
     def resolved_tokenizer_name(self) -> str:
         """``tokenizer_name``, or ``model_name`` when it is not set."""
         return self.tokenizer_name or self.model_name
+
+
+# What the Hugging Face hub accepts as a repo id: a name, optionally after an owner and one slash.
+_HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}", re.ASCII)
 
 
 def _require_json(value: dict[str, Any], where: str) -> None:
