@@ -340,15 +340,21 @@ def bench_checks(session: nox.Session) -> None:
     """The tests of ``benchmarks/`` and ``recipes/`` (not of any package): every script imports against the packages,
     the lab probes' CPU dry runs match torch, the committed headline results are complete, the main job runs, and
     the real recipes' data, prompts, rewards and a two-step run with the engines (vLLM's CPU build included)."""
-    # The full RL stack as arctic-rl's own tests install it, plus the recipes' extra of the root package.
+    # The main job's environment (so the README's loop snippet runs here as a user runs it) plus the test tools.
     # nox: the test of the main job's set-up imports this file.
-    _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"), *TEST_TOOLS, NOX_REQUIREMENT)
+    _install(session, *_main_job_requirements(), *TEST_TOOLS, NOX_REQUIREMENT)
     _drop_cuda_extras(session)
     env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0", "DS_ACCELERATOR": "cpu"}
     session.run(
         "python", "-m", "pytest", str(ROOT / "benchmarks" / "tests"), str(ROOT / "recipes" / "tests"), "-q",
         "-p", "no:cacheprovider", *session.posargs, env=env,
     )  # fmt: skip
+
+
+def _main_job_requirements() -> list[str]:
+    """The full RL stack as arctic-rl's own tests install it, plus the root package (``arctic_platform``, which the
+    README's loop snippet imports) with the recipes' extra (progress bar, plot, datasets)."""
+    return [*_package_requirements("arctic-rl"), f"{ROOT}[recipes]"]
 
 
 def _root_extra(name: str) -> list[str]:
@@ -359,11 +365,12 @@ def _root_extra(name: str) -> list[str]:
 
 @nox.session(python="3.11")
 def main_job(session: nox.Session) -> None:
-    """The README's first command: installs the full RL stack (from the lock's versions on CPU machines, with torch's
-    CPU wheel from PyTorch's index) and runs the main job, ``recipes/grpo_parity.py`` (arguments after ``--`` go to
-    it, e.g. ``-- --steps 20``)."""
+    """The README's first command: installs the full RL stack and the root package (on CPU machines at the versions
+    of ``ci/constraints-cpu.txt``, with torch's CPU wheel from PyTorch's index; elsewhere from PyPI within the
+    packages' ranges) and runs the main job, ``recipes/grpo_parity.py`` (arguments after ``--`` go to it, e.g.
+    ``-- --steps 20``). The README's loop snippet runs in this environment (``.nox/main_job/bin/python``)."""
     _ensure_cpu_torch_wheel(session)
-    _install(session, *_package_requirements("arctic-rl"), *_root_extra("recipes"))
+    _install(session, *_main_job_requirements())
     _drop_cuda_extras(session)
     session.run("python", str(ROOT / "recipes" / "grpo_parity.py"), *session.posargs)
 
