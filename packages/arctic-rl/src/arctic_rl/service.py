@@ -687,8 +687,22 @@ def start_service(
     ).remote(
         config, engine_classes=engine_classes, placement_overrides=placement_overrides, start_timeout_s=start_timeout_s
     )
+    from arctic_rl.progress import report, wait_with_heartbeat
+
+    counts = {"training": config.training_gpus, "log_prob": config.log_prob_gpus, "sampling": config.sampling_gpus}
+    units = "GPU" if config.resolved_device() == "cuda" else "CPU worker"
+    report(
+        "starting the engines ("
+        + ", ".join(f"{role} x{count} {units}{'s' if count > 1 else ''}" for role, count in counts.items() if count)
+        + "): each loads the model, DeepSpeed and vLLM set up (a minute or more on a small CPU)"
+    )
     try:
-        ray.get(handle.start.remote())
+        started = handle.start.remote()
+        seconds = wait_with_heartbeat(
+            lambda timeout_s: bool(ray.wait([started], timeout=timeout_s)[0]), "starting the engines"
+        )
+        ray.get(started)
+        report(f"engines ready ({seconds:.0f} s)")
     except BaseException as error:
         ray.kill(handle, no_restart=True)
         from ray.exceptions import RayTaskError
