@@ -13,13 +13,14 @@ and takes one GRPO step.
     python recipes/grpo_parity.py --steps 10 --out /tmp/run
     python recipes/grpo_parity.py --compare-zorro  # the same run with ZoRRO off too: trajectories/s on vs off
 
-Writes ``metrics.json`` (every step's reward, times and savings, and the summary) and ``grpo_parity.png`` (reward
-curve and per-step time split) to ``--out``.
+Writes ``metrics.json`` (every step's reward, times and savings, and the summary) and, when matplotlib is
+installed, ``grpo_parity.png`` (reward curve and per-step time split) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import statistics
@@ -79,8 +80,9 @@ def parity_reward(parity: str, token_ids: list[int]) -> float:
 
 
 def make_prompts(rng: random.Random, count: int, padding: int = 0) -> list[tuple[str, str]]:
-    """``count`` prompts ``(text, parity)``, half asking for even and half for odd characters; ``padding`` bytes of
-    random letters and a space come first (the question stays at the end, next to the answer)."""
+    """``count`` prompts ``(text, parity)``, half asking for even and half for odd characters (32-39 bytes after the
+    padding); ``padding`` bytes of random letters and a space come first (the question stays at the end, next to the
+    answer)."""
     letters = "abcdefghijklmnopqrstuvwxyz"
     prompts = []
     for index in range(count):
@@ -102,6 +104,12 @@ GPU_MODEL: dict[str, int] = {
 }
 
 
+# vLLM's CPU build stores the KV cache in 128-token blocks by default, longer than any prompt here, so a prompt's
+# samples would share no full block and FCA would never group them; with 32-token blocks every prompt longer than 32
+# tokens (all but the shortest) has one full block that its samples read once per decode step.
+CPU_KV_BLOCK = 32
+
+
 def client_config(model_dir: str, settings: RunSettings, gpus: int) -> Any:
     """The whole stack on this machine: one training and one sampling engine (split on CPU workers or on two GPUs,
     colocated on one GPU), ZoRRO and FCA as asked."""
@@ -110,6 +118,7 @@ def client_config(model_dir: str, settings: RunSettings, gpus: int) -> Any:
     sampling: dict[str, Any] = {"max_model_len": 256 + settings.prompt_padding}
     if gpus == 0:
         sampling["kv_cache_space_gib"] = 1  # vLLM's CPU build: a small KV cache is plenty
+        sampling["engine_args"] = {"block_size": CPU_KV_BLOCK}
     else:
         sampling["gpu_memory_utilization"] = 0.3  # leaves room for the trainer when colocated
     return ArcticRLClientConfig(
@@ -204,11 +213,14 @@ def run(settings: RunSettings, model_dir: str, *, progress: bool = True) -> list
 
 
 def summarize(records: list[StepRecord], window: int) -> dict[str, float]:
-    """First and last ``window`` steps' mean reward, their difference, and throughput over the whole run."""
+    """First and last ``window`` steps' mean reward, their difference, throughput over the whole run and over the
+    steps after step 0 (whose calls include the engines' warm-up), and FCA's share of the decode steps."""
     window = max(1, min(window, len(records) // 2 or 1))
     first = statistics.fmean(record.reward for record in records[:window])
     last = statistics.fmean(record.reward for record in records[-window:])
     seconds = sum(record.step_seconds for record in records)
+    after_warmup = records[1:] or records
+    seconds_after_warmup = sum(record.step_seconds for record in after_warmup)
     summary = {
         "steps": float(len(records)),
         "window": float(window),
@@ -216,11 +228,20 @@ def summarize(records: list[StepRecord], window: int) -> dict[str, float]:
         "reward_last": last,
         "reward_gain": last - first,
         "trajectories_per_s": sum(record.trajectories for record in records) / seconds,
+        "trajectories_per_s_after_step_0": sum(record.trajectories for record in after_warmup) / seconds_after_warmup,
         "response_tokens_per_s": sum(record.response_tokens for record in records) / seconds,
         "zorro_savings": statistics.fmean(record.zorro_savings for record in records),
     }
     for phase in PHASES:
         summary[f"seconds_{phase}"] = statistics.fmean(record.seconds[phase] for record in records)
+    # The sampler's FCA counters are totals since it started: the last step holds the whole run's.
+    fca = records[-1].extra
+    if fca.get("fca/steps"):
+        summary["fca_decode_steps"] = fca["fca/steps"]
+        summary["fca_steps_grouped_share"] = fca.get("fca/steps_grouped", 0.0) / fca["fca/steps"]
+        summary["fca_requests_grouped_share"] = fca.get("fca/grouped_requests", 0.0) / max(
+            fca.get("fca/requests", 0.0), 1.0
+        )
     return summary
 
 
@@ -241,6 +262,7 @@ def plot(records: list[StepRecord], png: Path, title: str) -> None:
     reward_axis.set_ylabel("reward (share of bytes with the asked parity)")
     reward_axis.set_ylim(0, 1)
     reward_axis.legend(fontsize=8)
+    reward_axis.set_title("reward per step", fontsize=9)
     bottom = [0.0] * len(records)
     for phase in PHASES:
         values = [record.seconds[phase] for record in records]
@@ -248,7 +270,20 @@ def plot(records: list[StepRecord], png: Path, title: str) -> None:
         bottom = [low + value for low, value in zip(bottom, values, strict=True)]
     time_axis.set_xlabel("step")
     time_axis.set_ylabel("seconds")
-    time_axis.legend(fontsize=8)
+    time_axis.set_title("time per step, split by phase", fontsize=9)
+    # Step 0's calls include the engines' warm-up: drawn to scale, it would flatten every later bar to nothing.
+    later = max(bottom[1:], default=0.0)
+    if later > 0 and bottom[0] > 2 * later:
+        time_axis.set_ylim(0, 1.5 * later)
+        time_axis.annotate(
+            f"step 0 (warm-up): {bottom[0]:.1f} s",
+            xy=(steps[0], 1.45 * later),
+            xytext=(steps[0] + 1, 1.4 * later),
+            fontsize=8,
+            va="top",
+            arrowprops={"arrowstyle": "->"},
+        )
+    time_axis.legend(fontsize=8, loc="upper right")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(png, dpi=110)
@@ -263,10 +298,16 @@ def print_summary(summary: dict[str, float], label: str) -> None:
         (f"reward, last {summary['window']:.0f} steps", f"{summary['reward_last']:.3f}"),
         ("reward gain", f"{summary['reward_gain']:+.3f}"),
         ("trajectories / s", f"{summary['trajectories_per_s']:.2f}"),
+        ("trajectories / s after step 0 (warm-up)", f"{summary['trajectories_per_s_after_step_0']:.2f}"),
         ("response tokens / s", f"{summary['response_tokens_per_s']:.1f}"),
         ("ZoRRO token savings", f"{summary['zorro_savings']:.0%}"),
         *((f"seconds per step: {phase}", f"{summary[f'seconds_{phase}']:.2f}") for phase in PHASES),
     ]
+    if "fca_decode_steps" in summary:
+        rows += [
+            ("FCA: decode steps grouped", f"{summary['fca_steps_grouped_share']:.0%}"),
+            ("FCA: requests grouped", f"{summary['fca_requests_grouped_share']:.0%}"),
+        ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value:>10}")
@@ -353,14 +394,6 @@ def main(argv: list[str] | None = None) -> int:
             summary = summarize(records, window)
             print_summary(summary, f"GRPO on the parity task, {label.replace('_', ' ')}")
             results[label] = {"summary": summary, "steps": [asdict(record) for record in records]}
-            if variant.zorro:
-                png = args.out / "grpo_parity.png"
-                plot(
-                    records,
-                    png,
-                    f"GRPO, tiny Qwen3 on the CPU: reward {summary['reward_first']:.2f} -> "
-                    f"{summary['reward_last']:.2f} in {len(records)} steps",
-                )
     if "zorro_off" in results:
         on, off = results["zorro_on"]["summary"], results["zorro_off"]["summary"]
         results["summary"] = {
@@ -370,8 +403,21 @@ def main(argv: list[str] | None = None) -> int:
             "train_seconds_off": off["seconds_train"],
         }
         print(f"\ntrajectories/s: ZoRRO on {on['trajectories_per_s']:.2f}, off {off['trajectories_per_s']:.2f}")
-    (args.out / "metrics.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\nwrote {args.out / 'metrics.json'} and {args.out / 'grpo_parity.png'}")
+    # Results first: the plot is optional and comes after them.
+    written = [args.out / "metrics.json"]
+    written[0].write_text(json.dumps(results, indent=1) + "\n")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed, so no grpo_parity.png (pip install matplotlib to get the plot)")
+    else:
+        on = results["zorro_on"]
+        written.append(args.out / "grpo_parity.png")
+        plot(
+            [StepRecord(**record) for record in on["steps"]],
+            written[1],
+            f"GRPO, tiny Qwen3 on the CPU: reward {on['summary']['reward_first']:.2f} -> "
+            f"{on['summary']['reward_last']:.2f} in {len(on['steps'])} steps",
+        )
+    print(f"\nwrote {' and '.join(str(path) for path in written)}")
     gain = results["zorro_on"]["summary"]["reward_gain"]
     if args.expect_gain is not None and gain < args.expect_gain:
         print(f"the reward rose by {gain:+.3f}, less than the expected {args.expect_gain:+.3f}", file=sys.stderr)

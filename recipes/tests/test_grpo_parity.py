@@ -79,6 +79,9 @@ def test_the_main_job_learns_on_the_cpu(tmp_path: Path) -> None:
     assert summary["steps"] == 30
     assert summary["reward_last"] - summary["reward_first"] >= 0.3
     assert summary["zorro_savings"] > 0.3  # 8 samples share each prompt: the trainer runs each prompt once
+    # The samples of a prompt share its first full KV block: FCA reads it once for the group at most decode steps.
+    assert summary["fca_steps_grouped_share"] > 0.5 and summary["fca_requests_grouped_share"] > 0.5
+    assert "FCA: decode steps grouped" in result.stdout
     assert (out / "grpo_parity.png").stat().st_size > 10_000
     assert "reward gain" in result.stdout
 
@@ -97,3 +100,48 @@ def test_the_main_job_places_the_engines_for_the_machine(gpus: int) -> None:
     if gpus:
         assert config.sampling.gpu_memory_utilization == 0.3
     assert type(config).model_validate_json(config.model_dump_json()) == config
+
+
+@pytest.mark.parametrize("matplotlib", [True, False], ids=["with-matplotlib", "without-matplotlib"])
+def test_results_are_written_first_and_the_plot_is_optional(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], matplotlib: bool
+) -> None:
+    pytest.importorskip("transformers")
+    if matplotlib:
+        pytest.importorskip("matplotlib")
+    else:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: find_spec and import fail
+    import grpo_parity
+
+    # Step 0 is the slow one (the engines' warm-up), as in real runs.
+    rewards = [0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9]
+    records = [_record(step, reward) for step, reward in enumerate(rewards)]
+    records[0].seconds["generate"] = 60.0
+    monkeypatch.setattr(grpo_parity, "run", lambda settings, model_dir, **_: records)
+    out = tmp_path / "run"
+    assert grpo_parity.main(["--steps", str(len(records)), "--out", str(out), "--expect-gain", "0.3"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "metrics.json").read_text())["zorro_on"]["summary"]
+    assert summary["reward_gain"] == pytest.approx(0.875 - 0.425)  # windows of 2 steps
+    # Throughput with and without step 0: 8 trajectories a step, 4 s a step after step 0.
+    assert summary["trajectories_per_s_after_step_0"] == pytest.approx(2.0)
+    assert summary["trajectories_per_s"] == pytest.approx(64 / (62.0 + 7 * 4.0))
+    assert (out / "grpo_parity.png").exists() is matplotlib
+    assert ("matplotlib is not installed" in printed) is not matplotlib
+    if matplotlib:
+        assert (out / "grpo_parity.png").stat().st_size > 10_000
+
+
+def test_the_summary_reports_fcas_share_of_the_decode_steps() -> None:
+    records = [_record(step, 0.5) for step in range(4)]
+    # The sampler's counters are totals since it started: the last step's are the run's.
+    records[-1].extra = {
+        "fca/steps": 40.0,
+        "fca/steps_grouped": 30.0,
+        "fca/requests": 400.0,
+        "fca/grouped_requests": 100.0,
+    }
+    summary = summarize(records, window=1)
+    assert summary["fca_steps_grouped_share"] == pytest.approx(0.75)
+    assert summary["fca_requests_grouped_share"] == pytest.approx(0.25)
+    assert "fca_decode_steps" not in summarize(records[:-1], window=1)
