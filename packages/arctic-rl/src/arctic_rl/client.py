@@ -10,6 +10,7 @@ service (:mod:`arctic_rl.service`), which validates before it changes anything: 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -341,25 +342,32 @@ class SyncArcticRLClient(_ClientBase):
         self.shutdown()
 
 
+def _drop_token_auth_notice(record: logging.LogRecord) -> bool:
+    return "Token authentication is enabled for this Ray cluster" not in record.getMessage()
+
+
 def _connect_ray(ray_address: str | None) -> bool:
     """Attach to Ray (``ray_address``, else ``RAY_ADDRESS`` or a new local instance); True if this call started it."""
     import os
     import time
 
     import ray
-    from ray._private.services import canonicalize_bootstrap_address
 
     from arctic_rl.progress import report
 
     if ray.is_initialized():
         return False
-    if canonicalize_bootstrap_address(ray_address) is None:
-        # A new local instance: Ray turns token authentication on for it and warns on every run that it did;
-        # asking for that mode explicitly keeps the same protection without the warning.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-        report("starting a local Ray instance")
+    address = ray_address or os.environ.get("RAY_ADDRESS")
+    report(f"connecting to Ray at {address}" if address else "starting Ray (or attaching to this machine's)")
+    # A new local instance turns token authentication on and says so on every run; the protection stays, the
+    # notice goes (Ray's only other way to silence it, RAY_AUTH_MODE, must be set before ray is imported).
+    token_notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    token_notice.addFilter(_drop_token_auth_notice)
     started = time.monotonic()
-    ray.init(address=ray_address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    try:
+        ray.init(address=ray_address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    finally:
+        token_notice.removeFilter(_drop_token_auth_notice)
     report(f"Ray ready ({time.monotonic() - started:.0f} s)")
     return True
 
