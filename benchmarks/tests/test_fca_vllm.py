@@ -79,7 +79,7 @@ def test_an_engine_in_its_own_process_reports_its_rows(tmp_path: Path, monkeypat
     assert "error" not in result, result
     assert result["cudagraph_mode"] == "NONE" and result["attention_backends"] == ["CPU_ATTN"]
     (measured,) = result["rows"]
-    assert measured["row"] == row.name and len(measured["tokens"]) == row.requests
+    assert measured["row"] == row.name and measured["decode_tokens_per_s"] > 0
     assert measured["split"]["attention_ms"] > 0 and measured["ms_per_step"] > 0
 
 

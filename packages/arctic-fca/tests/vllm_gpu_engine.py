@@ -42,6 +42,10 @@ def write_model(directory: str) -> None:
         head_dim=128,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
+        # Token 0 is the end-of-text; the prompts and forced tokens use ids 3 and up.
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
