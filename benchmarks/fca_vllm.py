@@ -794,7 +794,8 @@ def plot(path: Path, report: dict[str, Any]) -> bool:
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
     names = [row["row"] for row in rows]
-    left.barh(names, [row["speedup"] for row in rows], color="tab:blue")
+    bars = left.barh(names, [row["speedup"] for row in rows], color="tab:blue")
+    left.bar_label(bars, labels=[f" {row['speedup']:.2f}x" for row in rows])
     left.axvline(1.0, color="black", linewidth=1)
     left.axvline(2.0, color="tab:green", linestyle="--", linewidth=1, label="goal at 4B 8x16 (2x)")
     left.set_xlabel("FCA / vLLM default decode throughput")
