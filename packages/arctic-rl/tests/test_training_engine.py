@@ -388,13 +388,31 @@ def _compare_two_ranks_with_one(
     training: dict[str, Any] | None = None,
     timeout_s: float = 600.0,
 ) -> list[dict[str, Any]]:
-    context = torch.multiprocessing.start_processes(
-        data_parallel_rank,
-        args=(2, free_port(), model_dir, stage, batch, shares, str(tmp_path), training),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
+    # The ranks are fresh processes, so DeepSpeed starts its CPU communication backend there: nothing may be
+    # compiled (its deepspeed_shm_comm op took minutes and a C++ compiler). torch writes every op it builds under
+    # TORCH_EXTENSIONS_DIR, and a compiler that cannot run makes an attempted build fail the ranks.
+    extensions = tmp_path / "torch_extensions"
+    extensions.mkdir()
+    no_compiler = tmp_path / "no-compiler"
+    no_compiler.write_text("#!/bin/sh\necho 'the engines must not compile anything' >&2\nexit 1\n")
+    no_compiler.chmod(0o755)
+    build_environment = {"TORCH_EXTENSIONS_DIR": str(extensions), "CXX": str(no_compiler), "CC": str(no_compiler)}
+    saved = {name: os.environ.get(name) for name in build_environment}
+    os.environ.update(build_environment)
+    try:
+        context = torch.multiprocessing.start_processes(
+            data_parallel_rank,
+            args=(2, free_port(), model_dir, stage, batch, shares, str(tmp_path), training),
+            nprocs=2,
+            join=False,
+            start_method="spawn",
+        )
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
@@ -402,6 +420,7 @@ def _compare_two_ranks_with_one(
                 process.kill()
             raise AssertionError(f"the two ranks did not finish within {timeout_s:.0f} s (a collective mismatch?)")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    assert sorted(path.name for path in extensions.rglob("*")) == []
 
     single_training = {"zero_stage": stage, **GRADIENT_PROPORTIONAL_ADAM, **(training or {})}
     single = TrainingEngine(make_config(model_dir, training=single_training))
