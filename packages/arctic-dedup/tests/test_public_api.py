@@ -41,7 +41,7 @@ EXPERT_NAMES = {
     "arctic_dedup.cost": ["DedupCost"],
     "arctic_dedup.facade": ["BatchStats", "ReconstructionInfo"],
     "arctic_dedup.forest": ["ForestGrouping", "ForestKernelConfig", "ForestPlan", "ForestWorkspace", "plan_paged",
-                            "StaticForestPlan"],
+                            "StaticForestPlan", "ForestScratch"],
     "arctic_dedup.plan.grouping": ["RowGroups", "group_rows"],
     "arctic_dedup.plan.index_map": ["IndexMap"],
     "arctic_dedup.packing": ["gather_rows", "segment_sum_rows"],

@@ -170,6 +170,25 @@ def test_captured_batch_size_keeps_one_static_plan_for_every_later_step() -> Non
     assert unpadded is not None and not unpadded.persistent and unpadded.num_requests == 5
 
 
+def test_warm_up_of_a_full_graph_size_creates_its_static_plan() -> None:
+    from vllm.config import CUDAGraphMode
+
+    capture, batch = _same_width(
+        make_decode_batch([32] * 8, [[1]] * 8, block_size=16, num_kv_heads=2, queries_per_kv=4, seed=6),
+        make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3),
+    )
+    planner = _planner(batch, num_heads=8)
+    for mode, sizes in ((CUDAGraphMode.PIECEWISE, [5, 8]), (CUDAGraphMode.FULL_AND_PIECEWISE, [8])):
+        compilation = SimpleNamespace(cudagraph_mode=mode, cudagraph_capture_sizes=sizes)
+        planner.vllm_config = SimpleNamespace(compilation_config=compilation)  # type: ignore[assignment]
+        warm_up = planner.plan(_padded_metadata(capture, 8))
+        other = planner.plan(_common_metadata(batch))
+        assert other is not None and not other.persistent
+        assert warm_up is not None and warm_up.persistent == (mode == CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert list(planner.static_plans) == [(8, 1)]
+    assert planner.plan(_padded_metadata(batch, 8), capturing=True) is warm_up
+
+
 def test_paused_fca_plans_captured_sizes_without_groups_and_others_not_at_all() -> None:
     from arctic_fca import get_stats, reset_stats, set_active
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from arctic_dedup.forest import (
     ForestGrouping,
     ForestKernelConfig,
+    ForestScratch,
     ForestWorkspace,
     StaticForestPlan,
     forest_decode,
@@ -540,3 +542,61 @@ def test_static_plan_decode_in_a_cuda_graph_replays_every_step_exactly() -> None
                 total_tokens=batch.total_tokens,
             )
             _check(out[:tokens], lse[:tokens], used, 0.1)
+
+
+def test_static_plans_sharing_a_scratch_replay_their_graphs_in_turn_exactly() -> None:
+    """Two captured batch sizes (16, then 8, largest first as vLLM captures) share one scratch for their partials;
+    their graphs replay in turn, each exactly as eager calls over its plan and close to the reference."""
+    scratch = ForestScratch()
+    rng = random.Random(9)
+    cases = []
+    for padded, requests in ((16, 13), (8, 6)):
+        batch = make_decode_batch(
+            [rng.randint(40, 500) for _ in range(2)],
+            [[rng.randint(0, 150) for _ in range(size)] for size in (requests // 2, requests - requests // 2)],
+            queries_per_kv=4,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            device="cuda",
+            shuffle=True,
+            seed=padded,
+        )
+        static = StaticForestPlan(
+            padded,
+            batch.block_table.shape[1],
+            block_size=16,
+            num_cache_blocks=batch.key_cache.shape[0],
+            max_query_len=1,
+            queries_per_kv=4,
+            num_kv_heads=2,
+            device="cuda",
+            scratch=scratch,
+        )
+        static.update(batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=ForestGrouping())
+        query = torch.full((padded, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        query[:requests].copy_(batch.query)
+        out = torch.empty_like(query)
+        lse = torch.empty(padded, 8, device="cuda")
+
+        layer = functools.partial(
+            forest_decode, query, batch.key_cache, batch.value_cache, static.plan, 0.1, out=out, lse=lse
+        )
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer()
+        cases.append((graph, layer, batch, requests, out, lse))
+    for graph, layer, batch, requests, out, lse in cases + cases:
+        out.fill_(float("nan"))
+        graph.replay()
+        replayed = out.clone(), lse.clone()
+        layer()
+        assert torch.equal(replayed[0][:requests], out[:requests]), requests
+        assert torch.equal(replayed[1][:requests], lse[:requests]), requests
+        assert replayed[0][requests:].isnan().all(), requests
+        _check(replayed[0][:requests], replayed[1][:requests], batch, 0.1)

@@ -10,6 +10,7 @@ from arctic_dedup.errors import PlanError
 from arctic_dedup.forest import (
     ForestGrouping,
     ForestKernelConfig,
+    ForestScratch,
     StaticForestPlan,
     forest_decode,
     plan_forest,
@@ -31,7 +32,12 @@ def _batch(seed: int, prefix_lens: list[int], suffix_lens: list[list[int]], shuf
     return DecodeBatch(**{**vars(batch), "block_table": table})
 
 
-def _static(num_requests: int, num_cache_blocks: int = 200, config: ForestKernelConfig = SMALL) -> StaticForestPlan:
+def _static(
+    num_requests: int,
+    num_cache_blocks: int = 200,
+    config: ForestKernelConfig = SMALL,
+    scratch: ForestScratch | None = None,
+) -> StaticForestPlan:
     return StaticForestPlan(
         num_requests,
         WIDTH,
@@ -42,6 +48,7 @@ def _static(num_requests: int, num_cache_blocks: int = 200, config: ForestKernel
         num_kv_heads=2,
         device="cpu",
         config=config,
+        scratch=scratch,
     )
 
 
@@ -167,3 +174,29 @@ def test_static_plan_rejects_a_batch_it_cannot_hold() -> None:
     narrow = batch.block_table[:, :20]
     with pytest.raises(PlanError, match="40 blocks"):
         _static(3).update(narrow, batch.seq_lens, batch.query_start_loc, grouping=None)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_static_plans_sharing_one_scratch_decode_in_turn_exactly(backend: Backend) -> None:
+    scratch = ForestScratch()
+    small = _batch(10, [70, 45], [[5, 9, 0], [12, 1, 7]])
+    large = _batch(11, [38, 90, 64], [[30, 2, 2], [0, 6, 11], [1, 1]])
+    plans = [_static(8, scratch=scratch), _static(6, scratch=scratch)]
+    for static, batch in ((plans[0], large), (plans[1], small), (plans[0], large), (plans[1], small)):
+        plan = static.update(
+            batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=ForestGrouping(), backend=backend
+        )
+        assert plan.scratch is scratch
+        out = _decode(batch, plan, backend)
+        assert _relative_error(out, _reference(batch)) < 1e-5
+        assert torch.equal(out, _decode(batch, _fresh(batch, backend), backend))
+
+
+def test_scratch_keeps_one_buffer_when_the_largest_request_comes_first() -> None:
+    scratch = ForestScratch()
+    first = scratch.take(1000, torch.device("cpu"))
+    assert scratch.take(10, torch.device("cpu")).data_ptr() == first.data_ptr()
+    grown = scratch.take(2000, torch.device("cpu"))
+    assert grown.numel() == 2000 and grown.data_ptr() != first.data_ptr()
+    # The first buffer stays valid for whoever holds it (a recorded launch); later requests use the larger one.
+    assert first.numel() == 1000 and scratch.take(1500, torch.device("cpu")).data_ptr() == grown.data_ptr()

@@ -13,12 +13,13 @@ On CPU the plan is read on the host (free there) and such a step goes to CPU_ATT
 
 Full CUDA graphs (CUDA): the builder supports vLLM's full graphs of uniform decode batches (query length 1, or up to
 ``ARCTIC_FCA_MAX_QUERY_LEN`` with speculative decoding). Each batch size vLLM captures gets a ``StaticForestPlan``
-when its graph is captured (``build_for_cudagraph_capture``); from then on every step of that (padded) size is
-planned, outside the graph, into that plan's persistent buffers, and the captured ``forest_decode`` launches read
-them. Whether a step of a captured size uses FCA depends only on what is fixed for its graph (batch size, query
-length, the layers), never on ``is_active()``: a paused FCA plans such steps with no groups (FCA's per-request
-decode, the same attention) instead of switching backends under a graph that cannot switch. vLLM's warm-up runs
-before each capture compile every kernel variant the captured sizes use, so decoding compiles nothing.
+at the warm-up runs before its capture (or at the capture, ``build_for_cudagraph_capture``); from then on every step
+of that (padded) size is planned, outside the graph, into that plan's persistent buffers, and the captured
+``forest_decode`` launches read them; the static plans share one scratch for their partial results. Whether a step
+of a captured size uses FCA depends only on what is fixed for its graph (batch size, query length, the layers), never
+on ``is_active()``: a paused FCA plans such steps with no groups (FCA's per-request decode, the same attention)
+instead of switching backends under a graph that cannot switch. vLLM's warm-up runs before each capture compile every
+kernel variant the captured sizes use, so decoding compiles nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
+import numpy
 import torch
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
@@ -45,7 +47,14 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from arctic_dedup.forest import ForestPlan, ForestWorkspace, StaticForestPlan, forest_decode, plan_forest
+from arctic_dedup.forest import (
+    ForestPlan,
+    ForestScratch,
+    ForestWorkspace,
+    StaticForestPlan,
+    forest_decode,
+    plan_forest,
+)
 from arctic_fca.config import FcaConfig, is_active
 from arctic_fca.stats import LOGGER_NAME, record_standard_step, record_step
 
@@ -108,7 +117,9 @@ class ForestPlanner:
         self._layers: dict[str, Any] | None = None
         self._workspace: ForestWorkspace | None = None
         # One persistent plan per captured (padded batch size, query length): a full CUDA graph reads its buffers.
+        # Their decode calls run in stream order, so they share one scratch for their partial results.
         self.static_plans: dict[tuple[int, int], StaticForestPlan] = {}
+        self._scratch = ForestScratch()
         self._pending: list[tuple[int, torch.Tensor]] = []
         self._steps_since_log = 0
         _planners.add(self)
@@ -132,6 +143,14 @@ class ForestPlanner:
             return None
         supported = all(_impl_supported(layer.impl) for layer in layers.values())
         return supported, int(first.impl.num_heads), int(cache.shape[0])
+
+    def _full_graph_sizes(self) -> tuple[int, ...]:
+        """Token counts of the batches vLLM captures in full CUDA graphs (none when it captures no full graphs)."""
+        compilation = getattr(self.vllm_config, "compilation_config", None)
+        mode = getattr(compilation, "cudagraph_mode", None)
+        if mode is None or not mode.has_full_cudagraphs():
+            return ()
+        return tuple(getattr(compilation, "cudagraph_capture_sizes", None) or ())
 
     def _workspace_for(self, num_cache_blocks: int, device: torch.device) -> ForestWorkspace:
         # The group finder's scratch is zero after every plan: one per KV cache, reused every step (stream order).
@@ -162,7 +181,9 @@ class ForestPlanner:
         if not self.on_cpu:
             key = (num_requests, max_query_len)
             static = self.static_plans.get(key)
-            if static is None and capturing:
+            # vLLM's warm-up runs of a size it captures come first: their eager calls record (and compile) the
+            # launches that the capture then replays into the graph.
+            if static is None and (capturing or num_requests * max_query_len in self._full_graph_sizes()):
                 static = self.static_plans[key] = StaticForestPlan(
                     num_requests,
                     int(table.shape[1]),
@@ -173,6 +194,7 @@ class ForestPlanner:
                     num_kv_heads=self.num_kv_heads,
                     device=table.device,
                     workspace=self._workspace_for(num_cache_blocks, table.device),
+                    scratch=self._scratch,
                 )
             if static is not None:
                 return self._plan_static(static, metadata, record=not capturing)
@@ -224,8 +246,8 @@ class ForestPlanner:
             record_standard_step()
             return plan
         # vLLM pads a graph's batch with requests that have no query tokens; the stats count the real ones.
-        starts = metadata.query_start_loc_cpu[: num_requests + 1]
-        real_requests = int((starts[1:] > starts[:-1]).sum())
+        starts = metadata.query_start_loc_cpu[: num_requests + 1].numpy()
+        real_requests = int(numpy.count_nonzero(starts[1:] > starts[:-1]))
         # The static plan's counters are overwritten next step: keep a copy until they are read.
         self._defer_stats(real_requests, plan.stats.clone())
         return plan

@@ -27,6 +27,8 @@ __all__ = [
 
 # Partials of one combine chunk held in registers at once (floats): 64 per thread with 4 warps.
 COMBINE_CHUNK_FLOATS = 8192
+# Floats between the starts of partial buffers carved from one scratch tensor (256 bytes).
+SCRATCH_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -247,8 +249,15 @@ def allocate_partials(plan: ForestPlan, head_dim: int, device: torch.device) -> 
     rows = max(2, _next_power_of_two(plan.max_query_len * plan.queries_per_kv))
     prefix_rows = plan.max_prefix_work * plan.num_kv_heads * plan.prefix_block_m
     suffix_rows = plan.max_suffix_work * plan.num_kv_heads * rows
-    part_out = torch.empty((prefix_rows + suffix_rows) * head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(prefix_rows + suffix_rows, dtype=torch.float32, device=device)
+    total = prefix_rows + suffix_rows
+    if plan.scratch is None:
+        part_out = torch.empty(total * head_dim, dtype=torch.float32, device=device)
+        part_lse = torch.empty(total, dtype=torch.float32, device=device)
+    else:
+        # The log-sum-exps start on a 256-byte boundary, as a separate allocation would.
+        lse_offset = -(-total * head_dim // SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+        buffer = plan.scratch.take(lse_offset + total, device)
+        part_out, part_lse = buffer[: total * head_dim], buffer[lse_offset:]
     return Partials(out=part_out, lse=part_lse, prefix_rows=prefix_rows, rows=rows)
 
 

@@ -24,12 +24,20 @@ import torch
 from arctic_dedup._triton_support import Backend, resolve_backend
 from arctic_dedup.errors import PlanError
 from arctic_dedup.forest._launch import launch_plan
-from arctic_dedup.forest.plan_types import ForestGrouping, ForestKernelConfig, ForestPlan, ForestWorkspace, PlanSizes
+from arctic_dedup.forest.plan_types import (
+    ForestGrouping,
+    ForestKernelConfig,
+    ForestPlan,
+    ForestScratch,
+    ForestWorkspace,
+    PlanSizes,
+)
 
 __all__ = [
     "ForestGrouping",
     "ForestKernelConfig",
     "ForestPlan",
+    "ForestScratch",
     "ForestWorkspace",
     "default_forest_config",
     "plan_forest",
@@ -379,6 +387,7 @@ def _build(
         shares=grouping is not None,
         config=config,
         persistent=False,
+        scratch=None,
         **views,
     )
 

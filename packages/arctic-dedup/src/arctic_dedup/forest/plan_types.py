@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ForestGrouping", "ForestKernelConfig", "ForestPlan", "ForestWorkspace", "PlanSizes"]
+__all__ = ["ForestGrouping", "ForestKernelConfig", "ForestPlan", "ForestScratch", "ForestWorkspace", "PlanSizes"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,25 @@ class ForestWorkspace:
         return self.counts.device
 
 
+class ForestScratch:
+    """Float32 scratch for the partial results of decode calls that never run at the same time (one stream), shared
+    by the static plans of one model so that a plan per captured batch size does not hold scratch of its own.
+
+    ``take`` hands out the front of one buffer; a request larger than the buffer allocates a new one (plans that
+    recorded the old buffer's address keep it alive through their recorded launches), so handing out the largest
+    request first, as vLLM does by capturing its largest batch size first, keeps a single buffer.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < numel or buffer.device != device:
+            buffer = self._buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        return buffer[:numel]
+
+
 @dataclass(frozen=True)
 class ForestPlan:
     """One decode step's grouping and work lists; built once per step, read by every layer.
@@ -147,7 +166,8 @@ class ForestPlan:
     ``ForestKernelConfig.early_combine``; zero after planning and again after every such call, so the decode calls
     of one plan must run in stream order.
     ``persistent``: the plan of a ``StaticForestPlan``, refilled in place every step (its recorded launches are never
-    dropped, since a captured CUDA graph may hold their scratch).
+    dropped, since a captured CUDA graph may hold their scratch). ``scratch``: where its decode calls take their
+    partial buffers (``None``: each new tensor layout allocates its own).
     """
 
     block_table: torch.Tensor
@@ -180,6 +200,7 @@ class ForestPlan:
     shares: bool
     config: ForestKernelConfig = field(default_factory=ForestKernelConfig)
     persistent: bool = False
+    scratch: ForestScratch | None = field(default=None, compare=False, repr=False)
     # The launches of this plan's first decode call per tensor layout, replayed by later layers (forest/_replay.py);
     # filled by forest_decode, never copied by dataclasses.replace.
     launches: dict[tuple[Any, ...], tuple[Any, ...]] = field(

@@ -25,7 +25,13 @@ from arctic_dedup.forest.plan import (
     _sizes,
     default_forest_config,
 )
-from arctic_dedup.forest.plan_types import ForestGrouping, ForestKernelConfig, ForestPlan, ForestWorkspace
+from arctic_dedup.forest.plan_types import (
+    ForestGrouping,
+    ForestKernelConfig,
+    ForestPlan,
+    ForestScratch,
+    ForestWorkspace,
+)
 
 __all__ = ["StaticForestPlan"]
 
@@ -43,6 +49,8 @@ class StaticForestPlan:
         device: where the buffers live.
         config: kernel config (``default_forest_config`` for ``num_requests`` when ``None``).
         workspace: the group finder's scratch; plans that share one must be updated in stream order.
+        scratch: where the decode calls take their partial buffers; static plans whose decode calls run in stream
+            order (one model's captured batch sizes) share one, so they hold one buffer between them.
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class StaticForestPlan:
         device: torch.device | str,
         config: ForestKernelConfig | None = None,
         workspace: ForestWorkspace | None = None,
+        scratch: ForestScratch | None = None,
     ) -> None:
         device = torch.device(device)
         if num_requests < 1 or max_blocks < 1 or num_cache_blocks < 1:
@@ -91,6 +100,7 @@ class StaticForestPlan:
             shares=True,
             config=config,
             persistent=True,
+            scratch=scratch if scratch is not None else ForestScratch(),
             **self._views,
         )
 
