@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from arctic_rl.errors import ArcticRLError, EngineError
+from arctic_rl.errors import ArcticRLError, EngineDiedError, EngineError
 
 if TYPE_CHECKING:
     from arctic_rl.config import ArcticRLClientConfig
@@ -103,7 +103,13 @@ class EngineActor:
             self.engine = _load_class(engine_class)(config, **kwargs)
         except Exception as error:
             raise _as_engine_error(self.name, "failed to start", error) from None
-        return {"pid": os.getpid(), "vocab_size": getattr(self.engine, "vocab_size", None)}
+        return {
+            "pid": os.getpid(),
+            "vocab_size": getattr(self.engine, "vocab_size", None),
+            # Request limits the service checks before it calls the engine.
+            "max_positions": getattr(self.engine, "max_positions", None),
+            "max_model_len": getattr(self.engine, "max_model_len", None),
+        }
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
@@ -158,7 +164,7 @@ class SamplerFanout:
                 ray.get(reference)
             except RayActorError as error:
                 dead.append(
-                    EngineError(
+                    EngineDiedError(
                         name,
                         f"its actor process died during the weight transfer ({method}(), {type(error).__name__}); the "
                         "run cannot continue. Shut the client down and start it again (from a checkpoint).",

@@ -49,12 +49,14 @@ def validate_batch(
     *,
     vocab_size: int | None = None,
     require: Collection[str] = ("old_log_probs", "advantages"),
+    max_length: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Check ``batch`` against the padded layout and return a new dict of contiguous CPU tensors.
 
     Token ids, positions and masks come back as int64; float fields keep their floating dtype; ``advantages`` of
     shape ``[B]`` come back broadcast to ``[B, R]``. ``require`` names the optional keys that must be present (a
-    training batch needs ``old_log_probs`` and ``advantages``; pass ``()`` for a forward-only batch). When
+    training batch needs ``old_log_probs`` and ``advantages``; pass ``()`` for a forward-only batch); ``max_length``
+    bounds the sequence width ``S`` (the model's positions). When
     ``advantages`` is required the batch must hold at least one response token to train on.
 
     Raises ``BatchValidationError`` naming the key, what was expected, what was received and how to fix it.
@@ -80,6 +82,12 @@ def validate_batch(
     if input_ids.dim() != 2:
         raise BatchValidationError("input_ids", f"expected a [B, S] tensor, got shape {list(input_ids.shape)}.")
     rows, width = (int(size) for size in input_ids.shape)
+    if max_length is not None and width > max_length:
+        raise BatchValidationError(
+            "input_ids",
+            f"rows are {width} tokens wide (prompt + response); the model has {max_length} positions. Shorten the "
+            "prompts or responses.",
+        )
     if rows == 0:
         raise BatchValidationError("input_ids", "the batch is empty (0 rows); pass at least one sample.")
     responses = _integer(tensors, "responses")
@@ -132,6 +140,10 @@ def validate_batch(
         _check_shape("position_ids", position_ids, full)
         if bool((position_ids < 0).any()):
             raise BatchValidationError("position_ids", "holds negative positions; positions start at 0.")
+        if max_length is not None and int(position_ids.max()) >= max_length:
+            raise BatchValidationError(
+                "position_ids", f"holds position {int(position_ids.max())}; the model has {max_length} positions."
+            )
         out["position_ids"] = position_ids
     for key in FLOAT_KEYS:
         if key in tensors:

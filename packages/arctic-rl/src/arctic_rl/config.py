@@ -191,6 +191,12 @@ class SamplingConfig(_Section):
         default=None, ge=1, description="Longest prompt + response in tokens; None: the model's own limit."
     )
     max_num_seqs: int | None = Field(default=None, ge=1, description="Most sequences per vLLM step; None: vLLM's.")
+    max_sequences_per_request: int = Field(
+        default=65536,
+        ge=1,
+        description="Most sequences (prompts x n) one generate may ask for; a larger request is refused before it "
+        "reaches vLLM (InvalidRequestError).",
+    )
     enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (always eager on the CPU build).")
     dtype: Dtype | None = Field(default=None, description="vLLM's dtype; None: the top-level dtype.")
     kv_cache_space_gib: float | None = Field(
@@ -349,6 +355,12 @@ class ArcticRLClientConfig(BaseModel):
     )
     full_determinism: bool = Field(
         default=False, description="Deterministic algorithms everywhere (bitwise-reproducible steps, slower)."
+    )
+    engine_call_timeout_s: float = Field(
+        default=1800.0,
+        gt=0.0,
+        description="Seconds one engine call (a generate, a fwd_bwd, a checkpoint, ...) may take; an engine that "
+        "misses it is declared failed (EngineDiedError) and reported by the server's /health.",
     )
     checkpoint_path: str | None = Field(
         default=None, description="Directory of DeepSpeed checkpoints; None: save_checkpoint needs a path."

@@ -4,7 +4,12 @@ Every operation validates its inputs (and the engines' sleep state) before it to
 leaves weights, optimizer state and step counter as they were. A step's batch is split across the data-parallel
 training ranks by arctic-dedup's group-aware balancing (a prompt group is never split: splitting it would make two
 ranks recompute its prompt), the loss denominators are counted once over the whole batch, and each rank receives its
-share. An engine that fails to start or dies during a call surfaces as ``EngineError`` naming it.
+share. An engine that fails to start or fails a call surfaces as ``EngineError`` naming it.
+
+Request values are checked before any engine sees them (``InvalidRequestError`` naming the field). Every engine call
+has a time limit (``engine_call_timeout_s``): an engine that misses it, or whose process dies (recognised by Ray's
+exception types, never by message text), is declared failed with ``EngineDiedError``; :meth:`RLService.dead_engines`
+lists those, and later calls that need them are refused at once.
 
 The service runs as a named Ray actor (:func:`start_service`), so another process can attach to it by name
 (:func:`attach_service`); nothing else in the package holds engine state.
@@ -12,6 +17,7 @@ The service runs as a named Ray actor (:func:`start_service`), so another proces
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,8 +25,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from arctic_rl.batch import select_rows
-from arctic_rl.errors import ArcticRLError, BatchValidationError, ConfigError, EngineError, EngineStateError
+from arctic_rl.errors import (
+    ArcticRLError,
+    BatchValidationError,
+    ConfigError,
+    EngineDiedError,
+    EngineError,
+    EngineStateError,
+    InvalidRequestError,
+)
 from arctic_rl.metrics import StepTimer, logprob_mismatch, tokens_per_second
+from arctic_rl.request_checks import check_prompts_shape, check_sampling_params, requested_samples
 
 if TYPE_CHECKING:
     from arctic_rl.actors import EngineHandle
@@ -38,6 +53,7 @@ __all__ = [
 SERVICE_NAMESPACE = "arctic_rl"
 DEFAULT_SERVICE_NAME = "arctic_rl_service"
 DEFAULT_LOSS = "grpo"
+_RESTART_ADVICE = "Shut the client down and start it again (from a checkpoint)."
 
 
 def split_for_data_parallel(batch: Mapping[str, torch.Tensor], num_ranks: int) -> list[list[int]]:
@@ -75,10 +91,28 @@ def _parse_processing(processing: Mapping[str, Any] | None) -> tuple[str, dict[s
     if unknown:
         raise ConfigError(f"processing accepts the keys 'loss_fn' and 'config', got also {sorted(unknown)}.")
     name = processing.get("loss_fn", DEFAULT_LOSS)
-    config = dict(processing.get("config") or {})
+    if not isinstance(name, str):
+        raise InvalidRequestError(
+            "processing.loss_fn", f"must be the name of a registered loss (a string), got {type(name).__name__}."
+        )
+    raw_config = processing.get("config")
+    if raw_config is not None and not isinstance(raw_config, Mapping):
+        raise InvalidRequestError(
+            "processing.config", f"must be a dict of the loss's options, got {type(raw_config).__name__}."
+        )
+    if raw_config is not None and not all(isinstance(key, str) for key in raw_config):
+        raise InvalidRequestError("processing.config", "keys must be option names (strings).")
+    config = dict(raw_config or {})
     # Refuse an unknown loss or a bad loss config before any engine runs.
     get_loss_fn(name).parse_config(config)
     return name, config
+
+
+def _check_checkpoint_arguments(path: Any, step: Any) -> None:
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise InvalidRequestError("path", f"must be a directory path (a non-empty string), got {path!r}.")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise InvalidRequestError("step", f"must be an integer >= 0 (a step number) or None, got {step!r}.")
 
 
 class RLService:
@@ -107,6 +141,11 @@ class RLService:
         self.log_prob: list[EngineHandle] = []
         self.sampling: list[EngineHandle] = []
         self.vocab_size: int | None = None
+        self.max_positions: int | None = None
+        self.sampler_limits: dict[str, int] | None = None
+        self.call_timeout_s = config.engine_call_timeout_s
+        # Engines declared failed (process gone, or a call past its time limit): name -> reason.
+        self._dead: dict[str, str] = {}
         self.step_count = 0
         self.sleeping = {"training": False, "log_prob": False, "sampling": False}
         self._timer = StepTimer()
@@ -159,6 +198,9 @@ class RLService:
                 handle.pid = info["pid"]
                 if handle.role == "training" and handle.rank == 0:
                     self.vocab_size = info["vocab_size"]
+                    self.max_positions = info.get("max_positions")
+                if handle.role == "sampling" and handle.rank == 0 and info.get("max_model_len"):
+                    self.sampler_limits = {"vocab_size": info["vocab_size"], "max_model_len": info["max_model_len"]}
             if self.training:
                 self.step_count = int(self._attribute(self.training[0], "step_count"))
         except BaseException:
@@ -201,6 +243,7 @@ class RLService:
             except Exception:  # an actor that is already gone has nothing to stop
                 continue
         if stops:
+            # A stuck engine (one declared failed) does not answer: it is killed below either way.
             ray.wait(stops, num_returns=len(stops), timeout=30)
         for handle in handles:
             try:
@@ -213,58 +256,84 @@ class RLService:
         self._closed = True
 
     # -------------------------------------------------------------------------------------------- engine calls
+    def dead_engines(self) -> dict[str, str]:
+        """Engines declared failed (their process died, or a call missed ``engine_call_timeout_s``), each with the
+        reason. Such an engine stays failed: only a restart of the service brings it back."""
+        return dict(self._dead)
+
+    def _declare_dead(self, handle: EngineHandle, reason: str) -> EngineDiedError:
+        self._dead.setdefault(handle.name, reason)
+        return EngineDiedError(handle.name, f"{reason}; the run cannot continue. {_RESTART_ADVICE}")
+
+    def _require_alive(self, handles: Sequence[EngineHandle]) -> None:
+        for handle in handles:
+            if handle.name in self._dead:
+                raise EngineDiedError(
+                    handle.name, f"was declared failed earlier ({self._dead[handle.name]}). {_RESTART_ADVICE}"
+                )
+
     def _get(self, handle: EngineHandle, reference: Any, timeout: float | None = None) -> Any:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+        limit = self.call_timeout_s if timeout is None else timeout
         try:
-            return ray.get(reference, timeout=timeout)
+            return ray.get(reference, timeout=limit)
         except RayTaskError as error:
             cause = error.cause
+            if isinstance(cause, EngineDiedError):
+                # An engine this one drives (a sampler during a weight transfer) died.
+                self._dead.setdefault(cause.engine, cause.message)
             if isinstance(cause, ArcticRLError):
                 raise cause from None
             raise EngineError(handle.name, f"failed: {error}") from None
         except RayActorError as error:
-            raise EngineError(
-                handle.name,
-                f"its actor process died ({type(error).__name__}); the run cannot continue. Shut the client down and "
-                "start it again (from a checkpoint).",
-            ) from None
+            # ActorDiedError and ActorUnavailableError (engines never restart) both derive from RayActorError.
+            raise self._declare_dead(handle, f"its actor process died ({type(error).__name__})") from None
         except GetTimeoutError:
-            raise EngineError(handle.name, f"did not answer within {timeout:.0f} s.") from None
+            budget = self.call_timeout_s if timeout is None or timeout < self.call_timeout_s else timeout
+            raise self._declare_dead(
+                handle, f"a call did not finish within its time limit ({budget:g} s, engine_call_timeout_s)"
+            ) from None
 
     def _attribute(self, handle: EngineHandle, name: str) -> Any:
+        self._require_alive([handle])
         return self._get(handle, handle.actor.get.remote(name))
 
     def _call(self, handle: EngineHandle, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._require_alive([handle])
         return self._get(handle, handle.actor.call.remote(method, *args, **kwargs))
 
     def _call_all(self, handles: Sequence[EngineHandle], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        self._require_alive(handles)
         # Launch on every rank before waiting on any: collective operations need all ranks inside them.
         references = [(handle, handle.actor.call.remote(method, *args, **kwargs)) for handle in handles]
         return self._gather(references)
 
     def _call_each(self, calls: Sequence[tuple[EngineHandle, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        self._require_alive([handle for handle, _, _, _ in calls])
         references = [
             (handle, handle.actor.call.remote(method, *args, **kwargs)) for handle, method, args, kwargs in calls
         ]
         return self._gather(references)
 
     def _gather(self, references: Sequence[tuple[EngineHandle, Any]]) -> list[Any]:
-        """Results of calls on several engines. When one engine dies, its peers in a collective fail too (their
-        connection resets): wait for every call and report the dead engine rather than the first peer to fail."""
+        """Results of calls on several engines, all within the call time limit. When one engine dies, its peers in
+        a collective fail too (their connection resets): wait for every call and report the dead engine rather
+        than the first peer to fail."""
         import ray
 
-        ray.wait([reference for _, reference in references], num_returns=len(references))
+        deadline = time.monotonic() + self.call_timeout_s
+        ray.wait([reference for _, reference in references], num_returns=len(references), timeout=self.call_timeout_s)
         results: list[Any] = []
-        errors: list[EngineError | ArcticRLError] = []
+        errors: list[ArcticRLError] = []
         for handle, reference in references:
             try:
-                results.append(self._get(handle, reference))
+                results.append(self._get(handle, reference, timeout=max(0.0, deadline - time.monotonic())))
             except ArcticRLError as error:
                 errors.append(error)
         if errors:
-            dead = [error for error in errors if isinstance(error, EngineError) and "actor process died" in str(error)]
+            dead = [error for error in errors if isinstance(error, EngineDiedError)]
             raise (dead or errors)[0]
         return results
 
@@ -284,16 +353,23 @@ class RLService:
     # ------------------------------------------------------------------------------------------------- ops
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]) -> Any:
         self._require_open()
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise ConfigError(
-                f"prompts must be a non-empty list of strings or of token-id lists, got {type(prompts).__name__}."
-            )
-        if not isinstance(sampling_params, Mapping):
-            raise ConfigError(
-                "sampling_params must be a dict with vLLM SamplingParams field names (n, max_tokens, temperature, "
-                "...), "
-                f"got {type(sampling_params).__name__}."
-            )
+        check_prompts_shape(prompts)
+        if self.sampler_limits is None:  # engines that report no limits (test fakes)
+            if not isinstance(sampling_params, Mapping):
+                raise InvalidRequestError(
+                    "sampling_params",
+                    f"must be a dict of vLLM SamplingParams fields, got {type(sampling_params).__name__}.",
+                )
+        else:
+            sampling_params = check_sampling_params(sampling_params, **self.sampler_limits)
+            limit = self.config.sampling.max_sequences_per_request
+            requested = requested_samples(len(prompts), sampling_params)
+            if requested > limit:
+                raise InvalidRequestError(
+                    "sampling_params.n",
+                    f"{len(prompts)} prompts x n = {requested} sequences; one generate may ask for at most {limit} "
+                    "(sampling.max_sequences_per_request). Split the request.",
+                )
         self._require_awake("sampling", "generate()")
         replicas = len(self.sampling)
         # Contiguous chunks, one per replica, keep the output in prompt order when concatenated.
@@ -313,7 +389,7 @@ class RLService:
     def _validated(self, batch: Mapping[str, Any], require: Sequence[str]) -> dict[str, torch.Tensor]:
         from arctic_rl.batch import validate_batch
 
-        return validate_batch(batch, vocab_size=self.vocab_size, require=tuple(require))
+        return validate_batch(batch, vocab_size=self.vocab_size, require=tuple(require), max_length=self.max_positions)
 
     def fwd_no_grad(
         self,
@@ -324,6 +400,13 @@ class RLService:
         temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         self._require_open()
+        for name, flag in (("reference_model", reference_model), ("calculate_entropy", calculate_entropy)):
+            if not isinstance(flag, bool):
+                raise InvalidRequestError(name, f"must be true or false, got {flag!r}.")
+        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)) or not (
+            math.isfinite(temperature) and temperature > 0
+        ):
+            raise InvalidRequestError("temperature", f"must be a finite number > 0, got {temperature!r}.")
         if reference_model and not self.log_prob:
             raise ConfigError(
                 "fwd_no_grad(reference_model=True) needs the reference (log-prob) engine; set log_prob_gpus >= 1."
@@ -573,6 +656,7 @@ class RLService:
         if not path:
             raise ConfigError("save_checkpoint needs a path: pass one or set checkpoint_path in the config.")
         self._require_awake("training", "save_checkpoint()")
+        _check_checkpoint_arguments(path, step)
         step = self.step_count if step is None else step
         results = self._call_all(self.training, "save_checkpoint", path, step, keep_last=keep_last, hf_export=hf_export)
         return str(results[0])
@@ -585,6 +669,7 @@ class RLService:
             raise ConfigError("load_checkpoint needs a path: pass one or set checkpoint_path in the config.")
         self._require_awake("training", "load_checkpoint()")
         self._require_awake("sampling", "load_checkpoint()")
+        _check_checkpoint_arguments(path, step)
         loaded = self._call_all(self.training, "load_checkpoint", path, step)
         self.step_count = int(loaded[0])
         self.sync_weights()
@@ -595,6 +680,9 @@ class RLService:
     def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
         """Per-token log-probs of each completion after its prompt (text pairs), from the sampling engine."""
         self._require_open()
+        for field, texts in (("prompts", prompts), ("completions", completions)):
+            if not isinstance(texts, Sequence) or isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+                raise InvalidRequestError(field, "must be a list of strings.")
         if isinstance(prompts, str) or isinstance(completions, str) or len(prompts) != len(completions):
             raise ConfigError(
                 "log_probs takes two lists of strings of the same length (prompts[i] is scored with "

@@ -114,6 +114,8 @@ class DeepSpeedModelEngine:
         model = load_causal_lm(config, device=self.device, dtype=self.dtype)
         model_config: Any = model.config
         self.vocab_size = int(model_config.get_text_config().vocab_size)
+        positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+        self.max_positions: int | None = int(positions) if positions else None
         self.zero_stage = self._zero_stage()
         self._engine = self._initialize(model, self._deepspeed_config())
         self._zorro = self._install_zorro()
@@ -216,7 +218,7 @@ class DeepSpeedModelEngine:
         a step and varied run to run; on the device they take a few ms)."""
         from arctic_rl.batch import validate_batch
 
-        checked = validate_batch(batch, vocab_size=self.vocab_size, require=require)
+        checked = validate_batch(batch, vocab_size=self.vocab_size, require=require, max_length=self.max_positions)
         return {name: value.to(self.device) for name, value in checked.items()}
 
     def _plan(self, batch: Mapping[str, torch.Tensor], *, for_training: bool) -> EngineMicroBatches:

@@ -17,7 +17,8 @@ from arctic_rl.engines.weight_transfer import (
     vllm_transfer_backend,
     worker_sum_of_squares,
 )
-from arctic_rl.errors import ConfigError, EngineError, EngineStateError, import_optional
+from arctic_rl.errors import ConfigError, EngineError, EngineStateError, InvalidRequestError, import_optional
+from arctic_rl.request_checks import check_prompt_token_ids, check_prompts_shape, check_sampling_params
 
 __all__ = ["SLEEP_TAGS", "SamplingEngine", "vllm_engine_arguments"]
 
@@ -140,6 +141,7 @@ class SamplingEngine:
         if self._transfer_ready:
             self._llm.init_weight_transfer_engine({"init_info": {}})
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
+        self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
 
     # ----------------------------------------------------------------------------------------------------------
     # state
@@ -215,47 +217,43 @@ class SamplingEngine:
     # ----------------------------------------------------------------------------------------------------------
 
     def _sampling_params(self, sampling_params: Mapping[str, Any]) -> Any:
+        """vLLM ``SamplingParams`` from a request's values, checked first (:mod:`arctic_rl.request_checks`), then
+        by vLLM's own request validation (structured-output grammars, ...) before anything is scheduled."""
         from vllm import SamplingParams
 
-        allowed = set(SamplingParams.__struct_fields__)
-        unknown = sorted(set(sampling_params) - allowed)
-        if unknown:
-            raise ConfigError(
-                f"sampling_params has keys that vLLM's SamplingParams does not know: {unknown}; use its field names "
-                "(n, max_tokens, temperature, top_p, top_k, seed, stop, ...)."
-            )
-        values = dict(sampling_params)
+        values = check_sampling_params(sampling_params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         # Log-probs of the sampled tokens are always returned; a request for top-k alternatives is kept as asked.
         if values.get("logprobs") is None:
             values["logprobs"] = 0
+        if isinstance(values.get("structured_outputs"), Mapping):
+            from vllm.sampling_params import StructuredOutputsParams
+
+            values["structured_outputs"] = StructuredOutputsParams(**values["structured_outputs"])
         try:
-            return SamplingParams(**values)
-        except Exception as error:  # vLLM's validation errors are not ValueErrors (VLLMValidationError, TypeError)
-            raise ConfigError(
-                f"sampling_params were refused by vLLM's SamplingParams: {error}. Fix the value (vLLM's field types "
-                "and ranges: n >= 1 int, max_tokens >= 1 int, temperature >= 0, top_p in (0, 1], ...)."
-            ) from error
+            params = SamplingParams(**values)
+            engine = self._llm.llm_engine
+            # verify() may fill in resolved fields: run it on a copy, the request keeps its own.
+            engine.input_processor._validate_params(params.clone(), engine.get_supported_tasks())
+        except Exception as error:  # vLLM's validation errors are not all ValueErrors (VLLMValidationError, ...)
+            raise InvalidRequestError(
+                "sampling_params", f"refused by vLLM's request validation: {_first_line(error)}"
+            ) from None
+        return params
 
     def _prompts(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[Any]:
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-            raise TypeError(
-                f"prompts must be a list of strings or a list of token-id lists, got {type(prompts).__name__}; "
-                "wrap a single prompt in a list."
-            )
+        """vLLM inputs of ``prompts``: every prompt non-empty, inside the vocabulary and shorter than
+        ``max_model_len`` (text prompts counted with the tokenizer vLLM applies to them)."""
+        check_prompts_shape(prompts)
         inputs: list[Any] = []
         prompt: Any
         for index, prompt in enumerate(prompts):
             if isinstance(prompt, str):
+                token_ids = list(self._llm.get_tokenizer().encode(prompt))
+                check_prompt_token_ids(index, token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
                 inputs.append(prompt)
                 continue
-            token_ids = [int(token) for token in prompt]
-            if not token_ids:
-                raise ValueError(f"prompts[{index}] is empty; every prompt needs at least one token.")
-            bad = [token for token in token_ids if not 0 <= token < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompts[{index}] has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}."
-                )
+            token_ids = list(prompt)
+            check_prompt_token_ids(index, token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
             inputs.append({"prompt_token_ids": token_ids})
         return inputs
 
@@ -270,12 +268,32 @@ class SamplingEngine:
         renormalised one, which the trainer's plain temperature log-probs do not reproduce), ``finish_reason``
         (``"stop"`` or ``"length"``), and ``top_logprobs`` (per token ``{token_id: logprob}``) when ``logprobs``
         asked for alternatives.
+
+        Every value is checked before vLLM sees it (``InvalidRequestError`` naming the field); a generate that fails
+        inside vLLM anyway aborts its requests, so the engine is left idle and serves the next call.
         """
         self._require_awake("generate")
         params = self._sampling_params(sampling_params)
         inputs = self._prompts(prompts)
-        outputs = self._llm.generate(inputs, params, use_tqdm=False)
+        outputs = self._run_requests(inputs, params)
         return [[self._sample(completion, params.logprobs) for completion in output.outputs] for output in outputs]
+
+    def _run_requests(self, inputs: list[Any], params: Any) -> list[Any]:
+        try:
+            return list(self._llm.generate(inputs, params, use_tqdm=False))
+        except Exception as error:
+            stuck = self.abort_unfinished()
+            raise EngineError(
+                self.name, f"vLLM failed during generate ({_first_line(error)}); its {stuck} request(s) were aborted."
+            ) from None
+
+    def abort_unfinished(self) -> int:
+        """Abort every request vLLM still holds (a failed generate's); returns how many there were."""
+        engine = self._llm.llm_engine
+        request_ids = list(engine.output_processor.request_states)
+        if request_ids:
+            engine.abort_request(request_ids, internal=True)
+        return len(request_ids)
 
     @staticmethod
     def _sample(completion: Any, top: int) -> dict[str, Any]:
@@ -328,7 +346,7 @@ class SamplingEngine:
 
         whole_vocabulary = temperature != 1.0
         params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if whole_vocabulary else 0, detokenize=False)
-        outputs = self._llm.generate([inputs[index] for index in scored], params, use_tqdm=False)
+        outputs = self._run_requests([inputs[index] for index in scored], params)
         for index, output in zip(scored, outputs, strict=True):
             start = len(prompt_token_ids[index])
             row = rows[index]
@@ -474,3 +492,8 @@ class SamplingEngine:
         if hasattr(self, "_llm"):
             self.transfer_shutdown()
             del self._llm
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from arctic_rl.engines.checkpoint_files import VerifiedFiles, verify_checkpoint, write_manifest
 from arctic_rl.engines.deepspeed_base import DeepSpeedModelEngine
 from arctic_rl.engines.model import load_tokenizer
 from arctic_rl.engines.policy_forward import forward_responses, select_samples
 from arctic_rl.engines.zero_step import install_multi_tensor_checks
-from arctic_rl.errors import ConfigError, EngineError, EngineStateError, import_optional
+from arctic_rl.errors import ConfigError, EngineError, EngineStateError, InvalidRequestError, import_optional
 
 if TYPE_CHECKING:
     from arctic_rl.config import ArcticRLClientConfig, TrainingConfig
@@ -73,6 +74,74 @@ def _saved_steps(path: str) -> list[int]:
         if match and os.path.isdir(os.path.join(path, entry)):
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_step(step: Any, field: str) -> None:
+    if not _is_int(step) or step < 0:
+        raise InvalidRequestError(field, f"must be an integer >= 0 (a step number), got {step!r}.")
+
+
+def _prepare_save_directory(path: Any) -> None:
+    """``path`` is (or becomes) a writable directory; refused with the reason otherwise, before DeepSpeed writes."""
+    if not isinstance(path, str) or not path:
+        raise InvalidRequestError("path", f"must be a directory path (a non-empty string), got {path!r}.")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InvalidRequestError("path", f"{path} exists and is not a directory; checkpoints are directories.")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise InvalidRequestError("path", f"cannot create checkpoint directory {path}: {error.strerror}.") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InvalidRequestError("path", f"checkpoint directory {path} is not writable by the server.")
+
+
+def _write_latest(path: str, tag: str) -> None:
+    temporary = os.path.join(path, ".latest.tmp")
+    with open(temporary, "w") as handle:
+        handle.write(tag)
+    os.replace(temporary, os.path.join(path, "latest"))
+
+
+def _checkpoint_directory(path: Any, step: Any) -> str:
+    """The checkpoint directory to load: ``path/global_step{step}``, or the tag ``path/latest`` names, which must
+    be such a name (no other path, so a ``latest`` of ``.`` or ``../other/global_step0`` is refused), resolved
+    inside ``path``."""
+    if not isinstance(path, str) or not path:
+        raise InvalidRequestError("path", f"must be a directory path (a non-empty string), got {path!r}.")
+    if not os.path.isdir(path):
+        what = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise InvalidRequestError("path", f"{path} {what}; pass the directory given to save_checkpoint().")
+    if step is None:
+        latest = os.path.join(path, "latest")
+        if not os.path.isfile(latest):
+            raise InvalidRequestError(
+                "path",
+                f"no checkpoint to resume: {latest} does not exist; pass the directory given to save_checkpoint() "
+                f"(saved steps there: {_saved_steps(path)}).",
+            )
+        with open(latest, "rb") as handle:
+            raw = handle.read(256)
+        tag = raw.decode("ascii", errors="replace").strip()
+        if not _TAG_PATTERN.match(tag):
+            raise InvalidRequestError(
+                "path",
+                f"{latest} names {tag[:80]!r}, not a checkpoint of this directory ({CHECKPOINT_TAG_PREFIX}<step>); "
+                "pass step= explicitly.",
+            )
+    else:
+        _require_step(step, "step")
+        tag = _checkpoint_tag(step)
+    root = os.path.realpath(path)
+    directory = os.path.realpath(os.path.join(path, tag))
+    if os.path.dirname(directory) != root or not os.path.isdir(directory):
+        raise InvalidRequestError(
+            "step", f"no checkpoint {tag!r} under {path}; saved steps there: {_saved_steps(path)}."
+        )
+    return directory
 
 
 class TrainingEngine(DeepSpeedModelEngine):
@@ -397,19 +466,27 @@ class TrainingEngine(DeepSpeedModelEngine):
         """Save a DeepSpeed checkpoint (weights, optimizer, scheduler, step counter, RNG) as ``path/global_step
         {step}`` and point ``path/latest`` at it; every rank must call it. ``keep_last`` keeps only the newest
         ``keep_last`` checkpoints (never the one just saved); ``hf_export`` also writes a Hugging Face model (and
-        tokenizer) to ``path/global_step{step}/hf``. Returns the checkpoint directory."""
+        tokenizer) to ``path/global_step{step}/hf``. The directory's manifest (every file's size and SHA-256) is
+        written last, then ``latest``: :meth:`load_checkpoint` verifies against it. Returns the checkpoint
+        directory."""
         self._require_awake("save_checkpoint")
         self._require_no_pending_gradients("save_checkpoint")
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}.")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be None (keep all) or >= 1, got {keep_last!r}.")
+        _require_step(step, "step")
+        if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+            raise InvalidRequestError("keep_last", f"must be None (keep all) or an integer >= 1, got {keep_last!r}.")
+        if not isinstance(hf_export, bool):
+            raise InvalidRequestError("hf_export", f"must be true or false, got {hf_export!r}.")
+        _prepare_save_directory(path)
         tag = _checkpoint_tag(step)
         client_state = {"arctic_rl_step": step, "step_count": self.step_count, "torch_rng": torch.get_rng_state()}
-        self._engine.save_checkpoint(path, tag=tag, client_state=client_state, save_latest=True)
+        self._engine.save_checkpoint(path, tag=tag, client_state=client_state, save_latest=False)
         directory = os.path.join(path, tag)
         if hf_export:
             self._export_hugging_face(os.path.join(directory, "hf"))
+        self._barrier()
+        if self.rank == 0:
+            write_manifest(directory)
+            _write_latest(path, tag)
         self._barrier()
         if keep_last is not None and self.rank == 0:
             for old in _saved_steps(path)[:-keep_last]:
@@ -431,33 +508,78 @@ class TrainingEngine(DeepSpeedModelEngine):
 
     def load_checkpoint(self, path: str, step: int | None = None) -> int:
         """Restore ``path/global_step{step}`` (``step=None``: the one ``path/latest`` names) on every rank:
-        weights, optimizer, scheduler, step counter and RNG. Returns the restored step."""
+        weights, optimizer, scheduler, step counter and RNG. Returns the restored step.
+
+        Nothing changes unless the whole checkpoint verifies first (:mod:`arctic_rl.engines.checkpoint_files`: the
+        manifest's sizes and hashes, files that load as plain tensors without running code, finite values, this
+        model's shapes, this data-parallel size): a refused checkpoint raises ``InvalidRequestError`` with the
+        reason and leaves weights, optimizer, scheduler, step and RNG as they were. DeepSpeed then reads only the
+        verified objects."""
         self._require_awake("load_checkpoint")
         self._require_no_pending_gradients("load_checkpoint")
-        if step is None:
-            latest = os.path.join(path, "latest")
-            if not os.path.isfile(latest):
-                raise EngineError(
-                    self.name,
-                    f"no checkpoint to resume: {latest} does not exist; pass the directory given to "
-                    f"save_checkpoint() (saved steps there: {_saved_steps(path)}).",
-                )
-            with open(latest) as handle:
-                tag = handle.read().strip()
-        else:
-            tag = _checkpoint_tag(step)
-        if not os.path.isdir(os.path.join(path, tag)):
-            raise EngineError(
-                self.name, f"no checkpoint {tag!r} under {path}; saved steps there: {_saved_steps(path)}."
+        failure: InvalidRequestError | None = None
+        try:
+            directory = _checkpoint_directory(path, step)
+            verified = verify_checkpoint(directory, model_shapes=self._model_shapes(), keep=self._reads_file)
+            client_state = self._checked_client_state(verified, directory)
+        except InvalidRequestError as error:
+            failure = error
+        # Every rank verifies; all must agree before any of them enters DeepSpeed's (collective) load.
+        if self._any_rank_failed(failure is not None):
+            raise failure or InvalidRequestError("path", "another training rank refused the checkpoint.")
+        tag = os.path.basename(directory)
+        reader, self._engine.checkpoint_engine = self._engine.checkpoint_engine, verified
+        try:
+            load_path, _ = self._engine.load_checkpoint(
+                os.path.dirname(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
             )
-        load_path, client_state = self._engine.load_checkpoint(
-            path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if load_path is None or client_state is None:
+        finally:
+            self._engine.checkpoint_engine = reader
+        if load_path is None:
             raise EngineError(self.name, f"DeepSpeed could not load checkpoint {tag!r} from {path}.")
         self.step_count = int(client_state["step_count"])
         torch.set_rng_state(client_state["torch_rng"])
         return int(client_state["arctic_rl_step"])
+
+    def _model_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.zero_stage == 3:
+            return {
+                name: tuple(int(size) for size in parameter.ds_shape)  # type: ignore[attr-defined]
+                for name, parameter in self.module.named_parameters()
+            }
+        return {name: tuple(value.shape) for name, value in self.module.state_dict().items()}
+
+    def _reads_file(self, relative: str) -> bool:
+        """The files DeepSpeed's load reads on this rank: the model file(s) and this rank's ZeRO partition."""
+        return relative == "mp_rank_00_model_states.pt" or f"zero_pp_rank_{self.rank}_" in relative
+
+    def _checked_client_state(self, verified: VerifiedFiles, directory: str) -> dict[str, Any]:
+        state = next((value for name, value in verified.kept.items() if name.endswith("model_states.pt")), None)
+        where = f"checkpoint {directory}"
+        if not isinstance(state, Mapping):
+            raise InvalidRequestError("path", f"{where} holds no model states for rank {self.rank}.")
+        for key in ("arctic_rl_step", "step_count"):
+            if not _is_int(state.get(key)) or state[key] < 0:
+                raise InvalidRequestError("path", f"{where}: {key} is {state.get(key)!r}, not a step number.")
+        rng = state.get("torch_rng")
+        expected_rng = torch.get_rng_state()
+        if not (isinstance(rng, torch.Tensor) and rng.dtype == expected_rng.dtype and rng.shape == expected_rng.shape):
+            raise InvalidRequestError("path", f"{where}: torch_rng is not a torch RNG state.")
+        saved_ranks = state.get("dp_world_size")
+        if self.zero_stage > 0 and saved_ranks != self.world_size:
+            raise InvalidRequestError(
+                "path",
+                f"{where} was saved by {saved_ranks!r} data-parallel ranks and this trainer runs {self.world_size}; "
+                "ZeRO's optimizer partitions load only into the same number of ranks.",
+            )
+        return dict(state)
+
+    def _any_rank_failed(self, failed: bool) -> bool:
+        if self.world_size == 1:
+            return failed
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
 
     # ------------------------------------------------------------------------------------------ weight transfer
     def transfer_setup(
