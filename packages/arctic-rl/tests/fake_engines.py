@@ -15,6 +15,7 @@ named Ray actor :data:`EVENT_LOG` when a test created it, so tests can check the
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -230,6 +231,8 @@ class FakeSamplingEngine:
     ) -> list[list[dict[str, Any]]]:
         if self.is_sleeping:
             raise EngineStateError("generate while sleeping", engine=f"sampling[{self.replica}]")
+        # A stuck engine, for the call time limit: the fakes' request values reach them unchecked.
+        time.sleep(float(sampling_params.get("fake_hang_s", 0.0)))
         n, max_tokens = int(sampling_params.get("n", 1)), int(sampling_params.get("max_tokens", 4))
         temperature = float(sampling_params.get("temperature", 1.0))
         generator = torch.Generator().manual_seed(int(sampling_params.get("seed", 0)))

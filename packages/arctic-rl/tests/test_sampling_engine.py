@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from arctic_rl.config import ArcticRLClientConfig
-from arctic_rl.errors import ConfigError, EngineStateError
+from arctic_rl.errors import EngineError, EngineStateError, InvalidRequestError
 
 VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
 pytestmark = [
@@ -252,22 +252,76 @@ def test_sleep_and_wake_validate_the_order_of_calls(engine: Any, reference: Any)
     engine.reset_prefix_cache()
 
 
-def test_bad_requests_are_refused_with_a_fix(engine: Any) -> None:
-    with pytest.raises(ConfigError, match="SamplingParams"):
-        engine.generate([[1, 2]], {"max_new_tokens": 3})
-    for bad_values in ({"n": "x"}, {"n": 0}, {"temperature": -1.0}, {"top_p": 2.0}, {"max_tokens": "a"}):
-        with pytest.raises(ConfigError, match="refused by vLLM's SamplingParams"):
-            engine.generate([[1, 2]], bad_values)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.generate([[1, VOCAB_SIZE + 5]], {"max_tokens": 1})
-    with pytest.raises(ValueError, match="empty"):
-        engine.generate([[]], {"max_tokens": 1})
-    with pytest.raises(TypeError, match="wrap a single prompt"):
-        engine.generate("hello", {"max_tokens": 1})
+FIXED_REQUEST = {"n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 7}
+
+# (prompts, sampling_params, the field named): each reached vLLM before and failed there, hung or was coerced.
+BAD_REQUESTS: list[tuple[Any, Any, str]] = [
+    ([[1, 2]], {"max_tokens": 2, "seed": "x"}, "sampling_params.seed"),
+    ([[1, 2]], {"max_tokens": 2, "seed": 2**64}, "sampling_params.seed"),
+    ([[1, 2]], {"max_tokens": 2, "seed": -5}, "sampling_params.seed"),
+    ([[1, 2]], {"max_new_tokens": 3}, "sampling_params.max_new_tokens"),
+    ([[1, 2]], {"n": "x"}, "sampling_params.n"),
+    ([[1, 2]], {"n": 0}, "sampling_params.n"),
+    ([[1, 2]], {"n": True}, "sampling_params.n"),
+    ([[1, 2]], {"max_tokens": 10_000}, "sampling_params.max_tokens"),
+    ([[1, 2]], {"temperature": -1.0}, "sampling_params.temperature"),
+    ([[1, 2]], {"temperature": float("nan")}, "sampling_params.temperature"),
+    ([[1, 2]], {"top_p": 2.0}, "sampling_params.top_p"),
+    ([[1, 2]], {"top_k": VOCAB_SIZE + 1}, "sampling_params.top_k"),
+    ([[1, 2]], {"max_tokens": "a"}, "sampling_params.max_tokens"),
+    ([[1, 2]], {"logprobs": VOCAB_SIZE + 1}, "sampling_params.logprobs"),
+    ([[1, 2]], {"logit_bias": {VOCAB_SIZE + 3: 1.0}}, "sampling_params.logit_bias"),
+    ([[1, 2]], {"logit_bias": {"-1": 1.0}}, "sampling_params.logit_bias"),
+    ([[1, 2]], {"allowed_token_ids": [VOCAB_SIZE]}, "sampling_params.allowed_token_ids"),
+    ([[1, 2]], {"allowed_token_ids": []}, "sampling_params.allowed_token_ids"),
+    ([[1, 2]], {"stop_token_ids": [-1]}, "sampling_params.stop_token_ids"),
+    ([[1, 2]], {"structured_outputs": {"regex": "("}}, "sampling_params"),
+    ([[1, 2]], {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "sampling_params.structured_outputs"),
+    ([[1, 2]], {"output_kind": 1}, "sampling_params.output_kind"),
+    ([[1, 2]], ["max_tokens"], "sampling_params"),
+    ([[1, VOCAB_SIZE + 5]], {"max_tokens": 1}, "prompts[0]"),
+    ([[-1, 2]], {"max_tokens": 1}, "prompts[0]"),
+    ([[True, 2]], {"max_tokens": 1}, "prompts[0]"),
+    ([[1.5, 2]], {"max_tokens": 1}, "prompts[0]"),
+    ([[]], {"max_tokens": 1}, "prompts[0]"),
+    ([""], {"max_tokens": 1}, "prompts[0]"),
+    ([[1] * 256], {"max_tokens": 1}, "prompts[0]"),
+    (["x" * 300], {"max_tokens": 1}, "prompts[0]"),
+    ([], {"max_tokens": 1}, "prompts"),
+    ("hello", {"max_tokens": 1}, "prompts"),
+    (["a", [1]], {"max_tokens": 1}, "prompts"),
+]
+
+
+@pytest.mark.parametrize(("prompts", "params", "field"), BAD_REQUESTS, ids=[case[2] for case in BAD_REQUESTS])
+def test_bad_requests_are_refused_and_change_nothing(engine: Any, prompts: Any, params: Any, field: str) -> None:
+    before = engine.generate([[5, 6, 7]], FIXED_REQUEST)
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.generate(prompts, params)
+    assert refused.value.field == field
+    assert not engine._llm.llm_engine.has_unfinished_requests()
+    assert engine.generate([[5, 6, 7]], FIXED_REQUEST) == before
+
+
+def test_score_refuses_bad_pairs(engine: Any) -> None:
     with pytest.raises(ValueError, match="one completion per prompt"):
         engine.score([[1, 2]], [[3], [4]])
     with pytest.raises(ValueError, match="temperature"):
         engine.score([[1, 2]], [[3]], temperature=0.0)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.score([[1, 2]], [[VOCAB_SIZE]])
+
+
+def test_a_generate_that_fails_inside_vllm_aborts_its_requests(engine: Any) -> None:
+    """A value vLLM accepts and then fails on after scheduling (the checks refuse it before; here it is passed
+    to vLLM directly): the requests are aborted and the engine serves the next generate as before."""
+    from vllm import SamplingParams
+
+    before = engine.generate([[5, 6, 7]], FIXED_REQUEST)
+    with pytest.raises(EngineError, match="aborted"):
+        engine._run_requests([{"prompt_token_ids": [1, 2, 3]}] * 3, SamplingParams(max_tokens=4, seed=2**64))
+    assert not engine._llm.llm_engine.has_unfinished_requests()
+    assert engine.generate([[5, 6, 7]], FIXED_REQUEST) == before
 
 
 def test_transfer_methods_drive_vllms_update_session(engine: Any, reference: Any) -> None:

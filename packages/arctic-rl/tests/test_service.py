@@ -21,7 +21,14 @@ from ray_helpers import retry_start  # noqa: E402
 from arctic_rl.batch import build_grpo_batch  # noqa: E402
 from arctic_rl.client import SyncArcticRLClient, attach_arctic_rl_client, create_arctic_rl_client  # noqa: E402
 from arctic_rl.config import ArcticRLClientConfig  # noqa: E402
-from arctic_rl.errors import BatchValidationError, ConfigError, EngineError, EngineStateError  # noqa: E402
+from arctic_rl.errors import (  # noqa: E402
+    BatchValidationError,
+    ConfigError,
+    EngineDiedError,
+    EngineError,
+    EngineStateError,
+)
+from arctic_rl.service import attach_service  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 FAKES = {
@@ -268,11 +275,37 @@ def test_a_killed_engine_is_named_and_shutdown_leaves_nothing(local_ray: None) -
     victim = client.describe()["engines"]["training[1]"]["pid"]
     try:
         os.kill(victim, signal.SIGKILL)
-        with pytest.raises(EngineError, match=r"training\[1\]") as raised:
+        with pytest.raises(EngineDiedError, match=r"training\[1\]") as raised:
             client.step()
         assert raised.value.engine == "training[1]"
+        assert list(ray.get(attach_service().dead_engines.remote())) == ["training[1]"]
     finally:
         client.shutdown()
+    assert_nothing_left(pids)
+
+
+@pytest.mark.slow
+def test_an_engine_past_its_call_time_limit_is_declared_failed_and_shutdown_ends(local_ray: None) -> None:
+    client = start(make_config(training_gpus=1, engine_call_timeout_s=2.0))
+    pids = [engine["pid"] for engine in client.describe()["engines"].values()]
+    service = attach_service()
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineDiedError, match=r"sampling\[0\].*time limit \(2 s") as raised:
+            client.generate([[1, 2]], {"max_tokens": 2, "fake_hang_s": 600})
+        assert time.monotonic() - started < 30
+        assert raised.value.engine == "sampling[0]"
+        assert list(ray.get(service.dead_engines.remote())) == ["sampling[0]"]
+        # Refused at once from then on; the engines that live still answer.
+        started = time.monotonic()
+        with pytest.raises(EngineDiedError, match="declared failed earlier"):
+            client.generate([[1, 2]], {"max_tokens": 2})
+        assert time.monotonic() - started < 5
+        assert client.describe()["step"] == 0
+    finally:
+        started = time.monotonic()
+        client.shutdown()
+        assert time.monotonic() - started < 20
     assert_nothing_left(pids)
 
 

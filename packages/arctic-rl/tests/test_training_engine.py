@@ -34,7 +34,7 @@ pytest.importorskip("transformers", reason="needs arctic-rl[engines]")
 from arctic_rl.engines.deepspeed_base import free_port
 from arctic_rl.engines.log_prob import LogProbEngine
 from arctic_rl.engines.training import TrainingEngine
-from arctic_rl.errors import BatchValidationError, ConfigError, EngineError, EngineStateError
+from arctic_rl.errors import BatchValidationError, ConfigError, EngineError, EngineStateError, InvalidRequestError
 from arctic_rl.testing import save_tiny_qwen3
 
 TOLERANCE = 1e-5
@@ -313,7 +313,7 @@ def test_checkpoint_round_trip_gives_the_same_next_step_bitwise(model_dir: str, 
         assert _train(resumed, batches[2]) == expected
         weights = full_parameters(resumed)
         assert all(torch.equal(weights[name], expected_weights[name]) for name in expected_weights)
-        with pytest.raises(EngineError, match="global_step1"):
+        with pytest.raises(InvalidRequestError, match="global_step1"):
             resumed.load_checkpoint(str(tmp_path), step=1)
     finally:
         torch.use_deterministic_algorithms(False)

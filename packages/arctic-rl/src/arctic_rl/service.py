@@ -238,6 +238,8 @@ class RLService:
         handles, self.training, self.log_prob, self.sampling = self._all_handles(), [], [], []
         stops = []
         for handle in handles:
+            if handle.name in self._dead:  # a stuck engine would not answer: it is only killed
+                continue
             try:
                 stops.append(handle.actor.stop.remote())
             except Exception:  # an actor that is already gone has nothing to stop
