@@ -286,14 +286,14 @@ def test_a_killed_engine_is_named_and_shutdown_leaves_nothing(local_ray: None) -
 
 @pytest.mark.slow
 def test_an_engine_past_its_call_time_limit_is_declared_failed_and_shutdown_ends(local_ray: None) -> None:
-    client = start(make_config(training_gpus=1, engine_call_timeout_s=2.0))
+    client = start(make_config(training_gpus=1, engine_call_timeout_s=5.0))
     pids = [engine["pid"] for engine in client.describe()["engines"].values()]
     service = attach_service()
     try:
         started = time.monotonic()
-        with pytest.raises(EngineDiedError, match=r"sampling\[0\].*time limit \(2 s") as raised:
+        with pytest.raises(EngineDiedError, match=r"sampling\[0\].*time limit \(5 s") as raised:
             client.generate([[1, 2]], {"max_tokens": 2, "fake_hang_s": 600})
-        assert time.monotonic() - started < 30
+        assert time.monotonic() - started < 60
         assert raised.value.engine == "sampling[0]"
         assert list(ray.get(service.dead_engines.remote())) == ["sampling[0]"]
         # Refused at once from then on; the engines that live still answer.

@@ -52,6 +52,11 @@ def _raise_from_ray(error: BaseException) -> None:
     raise error
 
 
+SHUTDOWN_WAIT_S = 120.0
+"""How long shutdown() waits for the service to stop its engines (each gets 30 s) before killing the service actor,
+which takes the engine actors and placement groups it created with it: shutdown ends even when an engine is stuck."""
+
+
 class RayTransport:
     """Calls on the service actor; ``owns_service``: shutdown stops the engines, ``owns_ray``: and Ray."""
 
@@ -75,18 +80,25 @@ class RayTransport:
             _raise_from_ray(error)
 
     async def close(self) -> None:
+        import asyncio
+
         try:
             if self._owns_service:
-                await self._service.shutdown.remote()
+                await asyncio.wait_for(asyncio.wrap_future(self._service.shutdown.remote().future()), SHUTDOWN_WAIT_S)
+        except TimeoutError:
+            pass  # a service stuck in a call: _release kills it, and its engine actors with it
         finally:
             self._release()
 
     def close_sync(self) -> None:
         import ray
+        from ray.exceptions import GetTimeoutError
 
         try:
             if self._owns_service:
-                ray.get(self._service.shutdown.remote())
+                ray.get(self._service.shutdown.remote(), timeout=SHUTDOWN_WAIT_S)
+        except GetTimeoutError:
+            pass  # a service stuck in a call: _release kills it, and its engine actors with it
         finally:
             self._release()
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from arctic_rl.errors import (
     ArcticRLError,
@@ -47,7 +47,8 @@ class NoArguments(_Body):
 
 
 class GenerateBody(_Body):
-    prompts: list[str] | list[list[int]] = Field(min_length=1, description="Texts, or token-id lists.")
+    # Strict: JSON true or "1" is not a token id (lax pydantic would make them 1).
+    prompts: list[str] | list[list[StrictInt]] = Field(min_length=1, description="Texts, or token-id lists.")
     sampling_params: dict[str, Any] = Field(description="vLLM SamplingParams field names (n, max_tokens, ...).")
 
 
@@ -85,14 +86,14 @@ class SleepTrainingBody(_Body):
 
 class SaveCheckpointBody(_Body):
     path: str | None = Field(default=None, min_length=1, description="A directory on the server; None: config's.")
-    step: int | None = Field(default=None, ge=0)
-    keep_last: int | None = Field(default=None, ge=1)
+    step: StrictInt | None = Field(default=None, ge=0)
+    keep_last: StrictInt | None = Field(default=None, ge=1)
     hf_export: StrictBool = False
 
 
 class LoadCheckpointBody(_Body):
     path: str | None = Field(default=None, min_length=1, description="A directory on the server; None: config's.")
-    step: int | None = Field(default=None, ge=0)
+    step: StrictInt | None = Field(default=None, ge=0)
 
 
 class LogProbsBody(_Body):

@@ -177,7 +177,9 @@ class RLService:
                 if not handles:
                     continue
                 master_addr, master_port = self._get(
-                    handles[0], [handles[0].actor.node_ip.remote(), handles[0].actor.free_port.remote()]
+                    handles[0],
+                    [handles[0].actor.node_ip.remote(), handles[0].actor.free_port.remote()],
+                    timeout=self.start_timeout_s,
                 )
                 for handle in handles:
                     kwargs = {
@@ -202,7 +204,10 @@ class RLService:
                 if handle.role == "sampling" and handle.rank == 0 and info.get("max_model_len"):
                     self.sampler_limits = {"vocab_size": info["vocab_size"], "max_model_len": info["max_model_len"]}
             if self.training:
-                self.step_count = int(self._attribute(self.training[0], "step_count"))
+                rank0 = self.training[0]
+                self.step_count = int(
+                    self._get(rank0, rank0.actor.get.remote("step_count"), timeout=self.start_timeout_s)
+                )
         except BaseException:
             self.shutdown()
             raise
