@@ -19,6 +19,7 @@ from arctic_rl.errors import (
     ConfigError,
     EngineError,
     EngineStateError,
+    InvalidRequestError,
     MissingDependencyError,
     WireFormatError,
 )
@@ -160,6 +161,7 @@ def read_token(path: str | Path) -> str:
 _STATUS: tuple[tuple[type[ArcticRLError], int], ...] = (
     (BatchValidationError, 422),
     (ConfigError, 422),
+    (InvalidRequestError, 422),
     (EngineStateError, 409),
     (EngineError, 503),
     (WireFormatError, 400),
@@ -173,6 +175,8 @@ def error_body(error: ArcticRLError) -> tuple[int, dict[str, Any]]:
     body: dict[str, Any] = {"error": type(error).__name__, "message": str(error)}
     if isinstance(error, BatchValidationError):
         body.update(key=error.key, detail=error.message)
+    elif isinstance(error, InvalidRequestError):
+        body.update(field=error.field, detail=error.message)
     elif isinstance(error, (EngineError, EngineStateError)):
         body.update(engine=error.engine, detail=error.message)
     elif isinstance(error, MissingDependencyError):
