@@ -42,8 +42,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-            # The engine-info probe is a function sent to the worker.
-            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
             "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
         }
         env.pop("ARCTIC_FCA", None)

@@ -3,7 +3,8 @@ loads plugins, once per process): greedy tokens, then teacher-forced logprobs of
 
     python vllm_gpu_engine.py MODEL_DIR DTYPE OUT_JSON     (ARCTIC_FCA=1 in the environment: FCA)
 
-This folder must be on ``PYTHONPATH``: vLLM's engine process imports the forcing logits processor by name.
+This folder must be on ``PYTHONPATH``: vLLM's engine process imports the forcing logits processor and the worker
+extension by name.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+from arctic_fca import FcaWorkerExtension
 
 PROMPTS = 4
 COPIES = 4
@@ -42,6 +45,9 @@ def write_model(directory: str) -> None:
         head_dim=128,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
+        # Peaked enough that greedy decoding picks varied tokens, clear of near ties (at the default 0.02 this model
+        # repeats one token).
+        initializer_range=0.1,
         # Token 0 is the end-of-text; the prompts and forced tokens use ids 3 and up.
         bos_token_id=0,
         eos_token_id=0,
@@ -49,6 +55,18 @@ def write_model(directory: str) -> None:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+
+
+class EngineInfo(FcaWorkerExtension):
+    """FCA's counters plus what vLLM settled on in the worker (vLLM mixes these methods into its worker)."""
+
+    def engine_info(self) -> dict[str, Any]:
+        worker: Any = self
+        compilation = worker.vllm_config.compilation_config
+        layers = compilation.static_forward_context.values()
+        backends = {layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")}
+        mode = compilation.cudagraph_mode
+        return {"cudagraph_mode": getattr(mode, "name", str(mode)), "attention_backends": sorted(backends)}
 
 
 class ForcedTokens(AdapterLogitsProcessor):
@@ -97,7 +115,7 @@ def main(model_dir: str, dtype: str, out: str) -> None:
         logits_processors=["vllm_gpu_engine:ForcedTokens"],
         # The forcing reads each request's output list, where async scheduling leaves placeholders.
         async_scheduling=False,
-        worker_extension_cls="arctic_fca.FcaWorkerExtension",
+        worker_extension_cls="vllm_gpu_engine.EngineInfo",
         **({"attention_config": {"backend": "CUSTOM"}} if fca else {}),
     )
     prompts = [_tokens(index, PROMPT_TOKENS, VOCAB) for index in range(PROMPTS)]
@@ -119,7 +137,7 @@ def main(model_dir: str, dtype: str, out: str) -> None:
     forced = llm.generate(
         requests, [params(logprobs=1, extra_args={FORCED_KEY: tokens}) for tokens in continuations], use_tqdm=False
     )
-    (info,) = llm.collective_rpc(_engine_info)
+    (info,) = llm.collective_rpc("engine_info")
     result = {
         "greedy": [list(output.outputs[0].token_ids) for output in greedy],
         "followed": [list(output.outputs[0].token_ids) == tokens for output, tokens in zip(forced, continuations)],
@@ -132,17 +150,6 @@ def main(model_dir: str, dtype: str, out: str) -> None:
     }
     with open(out, "w") as handle:
         json.dump(result, handle)
-
-
-def _engine_info(worker: Any) -> dict[str, Any]:
-    compilation = worker.vllm_config.compilation_config
-    backends = {
-        layer.attn_backend.get_name()
-        for layer in compilation.static_forward_context.values()
-        if hasattr(layer, "attn_backend")
-    }
-    mode = compilation.cudagraph_mode
-    return {"cudagraph_mode": getattr(mode, "name", str(mode)), "attention_backends": sorted(backends)}
 
 
 if __name__ == "__main__":
