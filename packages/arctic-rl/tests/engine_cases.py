@@ -130,3 +130,52 @@ def data_parallel_rank(
     torch.save(outcome, f"{results}/rank{rank}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def checkpoint_rank(rank: int, world_size: int, port: int, model_dir: str, root: str, results: str) -> None:
+    """One rank of the two-rank checkpoint test: train a step on its share, save, train another, then load a
+    checkpoint that only rank 1 finds damaged (both must refuse, nothing changes), then the good one on both."""
+    torch.set_num_threads(1)
+    from arctic_rl.engines.training import TrainingEngine
+    from arctic_rl.errors import InvalidRequestError
+
+    engine = TrainingEngine(
+        make_config(model_dir, training={"zero_stage": 2}), rank=rank, world_size=world_size, master_port=port
+    )
+    batch = make_batch(seed=1)
+    share = select_rows(batch, [[0, 1, 2, 3], [4, 5, 6, 7]][rank])
+    fwd_bwd(engine, share, step_denominators(batch))
+    engine.step()
+    engine.save_checkpoint(f"{root}/good", 1)
+    saved = full_parameters(engine)
+    fwd_bwd(engine, share, step_denominators(batch))
+    engine.step()
+    trained = full_parameters(engine)
+    torch.distributed.barrier()
+    # The damaged copy is made once both ranks have saved.
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(f"{root}/good", f"{root}/damaged")
+        optimizer = f"{root}/damaged/global_step1/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        with open(optimizer, "r+b") as handle:
+            handle.truncate(1000)
+    torch.distributed.barrier()
+    refusal = ""
+    try:
+        engine.load_checkpoint(f"{root}/{'good' if rank == 0 else 'damaged'}")
+    except InvalidRequestError as error:
+        refusal = str(error)
+    unchanged = full_parameters(engine)
+    step = engine.load_checkpoint(f"{root}/good")
+    loaded = full_parameters(engine)
+    outcome = {
+        "refusal": refusal,
+        "unchanged": all(torch.equal(unchanged[name], trained[name]) for name in trained),
+        "restored": all(torch.equal(loaded[name], saved[name]) for name in saved),
+        "step": step,
+        "step_count": engine.step_count,
+    }
+    torch.save(outcome, f"{results}/rank{rank}.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from engine_cases import full_parameters, fwd_bwd, make_batch, make_config
+from engine_cases import checkpoint_rank, full_parameters, fwd_bwd, make_batch, make_config
 
 pytest.importorskip("deepspeed", reason="needs arctic-rl[engines]")
 pytest.importorskip("transformers", reason="needs arctic-rl[engines]")
 
 from arctic_rl.engines.checkpoint_files import MANIFEST_NAME, write_manifest
+from arctic_rl.engines.deepspeed_base import free_port
 from arctic_rl.engines.training import TrainingEngine
 from arctic_rl.errors import InvalidRequestError
 from arctic_rl.testing import save_tiny_qwen3
@@ -47,10 +48,14 @@ class _Planted:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainingEngine]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3")))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: str) -> Iterator[TrainingEngine]:
     torch.set_num_threads(1)
-    model_dir = save_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
-    trainer = TrainingEngine(make_config(str(model_dir), training={"zero_stage": 2}))
+    trainer = TrainingEngine(make_config(model_dir, training={"zero_stage": 2}))
     fwd_bwd(trainer, make_batch(seed=1))
     trainer.step()
     yield trainer
@@ -219,3 +224,29 @@ def test_a_verified_checkpoint_loads_after_the_refusals(engine: TrainingEngine, 
     after = _state(engine)
     assert after["step"] == 1
     assert any(not torch.equal(after["weights"][name], before["weights"][name]) for name in before["weights"])
+
+
+def test_two_ranks_refuse_together_when_one_finds_the_checkpoint_damaged(model_dir: str, tmp_path: Path) -> None:
+    """Every rank verifies before DeepSpeed's collective load: when one refuses, all do (no rank enters the load
+    alone and hangs), nothing changes on either, and a good checkpoint then loads on both."""
+    import time
+
+    context = torch.multiprocessing.start_processes(
+        checkpoint_rank,
+        args=(2, free_port(), model_dir, str(tmp_path), str(tmp_path)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 600
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError("the two ranks did not finish within 600 s (a collective mismatch?)")
+    outcomes = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    assert "another training rank refused" in outcomes[0]["refusal"]
+    assert "does not match its manifest" in outcomes[1]["refusal"]
+    for outcome in outcomes:
+        assert outcome["unchanged"] and outcome["restored"]
+        assert outcome["step"] == 1 and outcome["step_count"] == 1
