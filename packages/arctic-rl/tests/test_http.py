@@ -39,6 +39,7 @@ from arctic_rl.errors import (  # noqa: E402
     ArcticRLError,
     BatchValidationError,
     ConfigError,
+    EngineDiedError,
     EngineError,
     EngineStateError,
     TransportError,
@@ -367,6 +368,8 @@ def test_a_non_loopback_server_needs_a_token_and_checks_it(ray_client: SyncArcti
     with pytest.raises(ConfigError, match="--token-file"):
         ServerSettings(host="0.0.0.0")
     token = "s3cret-" * 6
+    with pytest.raises(ConfigError, match="at least"):
+        ServerSettings(host="0.0.0.0", token="s3cret")
     guarded = ServerThread(create_app(ray_client, ServerSettings(host="0.0.0.0", token=token)))
     try:
         url = f"http://127.0.0.1:{guarded.port}"
@@ -374,6 +377,9 @@ def test_a_non_loopback_server_needs_a_token_and_checks_it(ray_client: SyncArcti
             assert httpx.get(url + path).status_code == 401
             assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.post(url + "/v1/step", content=b"{}").status_code == 401
+        doubled = [("Authorization", f"Bearer {token}"), ("Authorization", f"Bearer {token}")]
+        assert httpx.get(url + "/health", headers=doubled).status_code == 400
+        assert httpx.get(url + "/health", headers={"Authorization": f"bearer {token}"}).status_code == 200
         assert httpx.get(url + "/health", headers={"Authorization": f"Bearer {token}"}).status_code == 200
         with pytest.raises(ConfigError, match="401"):
             create_arctic_rl_client(http_config(guarded.port), blocking_calls=True)
@@ -383,6 +389,53 @@ def test_a_non_loopback_server_needs_a_token_and_checks_it(ray_client: SyncArcti
             assert c.weight_norm() == ray_client.weight_norm()
     finally:
         guarded.stop()
+
+
+def test_a_failed_call_whose_message_says_died_marks_nothing_dead(
+    ray_client: SyncArcticRLClient, http_client: SyncArcticRLClient, server: ServerThread, tmp_path: Path
+) -> None:
+    before, step = ray_client.weight_norm(), ray_client.describe()["step"]
+    with pytest.raises(ArcticRLError) as failed:
+        http_client.load_checkpoint(str(tmp_path / "who-died-here"))
+    assert not isinstance(failed.value, EngineDiedError)
+    health = httpx.get(f"http://127.0.0.1:{server.port}/health")
+    assert health.status_code == 200 and health.json()["engine_errors"] == {}
+    assert ray_client.weight_norm() == before and ray_client.describe()["step"] == step
+
+
+def test_slots_are_bounded_per_client_and_in_total_then_freed(ray_client: SyncArcticRLClient) -> None:
+    running = ServerThread(
+        create_app(ray_client, ServerSettings(max_request_bytes=MAX_REQUEST_BYTES, slot_lifetime_s=2))
+    )
+    url = f"http://127.0.0.1:{running.port}/v1/wire_slots"
+    # Other loopback source addresses are other clients to the server.
+    addresses = [f"127.0.0.{index}" for index in range(1, 6)]
+    peers = {address: httpx.Client(transport=httpx.HTTPTransport(local_address=address)) for address in addresses}
+    try:
+        for address in ("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"):
+            assert {peers[address].post(url, json={"size": 16}).status_code for _ in range(16)} == {201}
+        refused = peers["127.0.0.1"].post(url, json={"size": 16})
+        assert refused.status_code == 429 and "this client has 16" in refused.json()["message"]
+        assert 1 <= int(refused.headers["Retry-After"]) <= 2
+        refused = peers["127.0.0.5"].post(url, json={"size": 16})
+        assert refused.status_code == 429 and "64 slots are open" in refused.json()["message"]
+        assert slot_counts(running.port)["open"] == 64
+        # The server still answers, and a client that is refused a slot sends the body.
+        batch = make_batch(ray_client)
+        client = shared_memory_client(running.port)
+        try:
+            assert_same(client.fwd_no_grad(batch), ray_client.fwd_no_grad(batch))
+        finally:
+            client.shutdown()
+        deadline = time.monotonic() + 10
+        while slot_counts(running.port)["open"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert slot_counts(running.port)["open"] == 0
+        assert peers["127.0.0.5"].post(url, json={"size": 16}).status_code == 201
+    finally:
+        for peer in peers.values():
+            peer.close()
+        running.stop()
 
 
 def test_health_status_and_docs(server: ServerThread) -> None:
@@ -585,7 +638,7 @@ def test_bad_slots_get_a_4xx_and_change_nothing(
             | st.booleans()
         )
         body = data.draw(st.sampled_from([json.dumps({"size": size}), json.dumps([size]), "{", "x" * 5000]))
-        responses.append(httpx.post(f"{url}/wire_slots", content=body))
+        responses.append(httpx.post(f"{url}/wire_slots", content=body, headers={"Content-Type": "application/json"}))
     elif kind == "name":
         reference = {
             "slot": data.draw(st.sampled_from(SLOT_NAMES) | st.text(max_size=40)),

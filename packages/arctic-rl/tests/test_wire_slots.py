@@ -183,6 +183,8 @@ def test_a_slot_round_trips_once_and_leaves_nothing_behind() -> None:
         {"slot": "arctic-rl-slot-" + "0" * 32},
         {"nonce": "00" * 16},
         {"nonce": ""},
+        {"nonce": "\u00e9" * 32},
+        {"nonce": "AB" * 16},
         {"size": 1},
         {"size": "12"},
         {"extra": 1},
@@ -195,8 +197,8 @@ def test_a_wrong_reference_is_refused_and_uses_nothing(change: dict[str, Any]) -
     bad = {**json.loads(reference), **change}
     with pytest.raises(WireFormatError, match=r"slot|nonce|JSON object"):
         registry.take_message(json.dumps(bad).encode(), LIMIT)
-    if "slot" in change or "extra" in change or change.get("size") == "12":
-        # Refused before the slot was looked up: the real upload still works.
+    if change.get("nonce") != "00" * 16 and change.get("size") != 1:
+        # Malformed (or naming another slot): refused before the slot was looked up, so the real upload still works.
         assert_same(registry.take_message(reference, LIMIT), message)
     assert registry.snapshot()["open"] == 0
     registry.close()
@@ -220,6 +222,37 @@ def test_slot_sizes_outside_the_limits_are_refused() -> None:
     assert busy.value.status == 429
     registry.close()
     assert registry.snapshot()["open"] == 0 and not memfd_slots()
+
+
+def test_open_slots_are_bounded_per_client_and_in_total_and_freed_on_use_and_expiry() -> None:
+    registry = SlotRegistry(LIMIT, lifetime_s=0.3, max_open_slots=5, max_slots_per_client=3)
+    for _ in range(3):
+        registry.create(16, "127.0.0.1")
+    with pytest.raises(SlotUnavailable, match="this client has 3 unused slots") as per_client:
+        registry.create(16, "127.0.0.1")
+    assert per_client.value.status == 429 and 0 < per_client.value.retry_after_s <= 0.3
+    _, reference = upload_as(registry, {"x": torch.ones(2)}, "127.0.0.2")
+    registry.create(16, "127.0.0.3")
+    with pytest.raises(SlotUnavailable, match="5 slots are open") as total:
+        registry.create(16, "127.0.0.4")
+    assert total.value.status == 429 and total.value.retry_after_s is not None
+    assert registry.snapshot()["open"] == 5 and len(memfd_slots()) == 5
+    # A used slot is freed at once: another client may open one.
+    registry.take_message(reference, LIMIT)
+    registry.create(16, "127.0.0.4")
+    # Expired slots are freed too (create() expires before it counts).
+    time.sleep(0.35)
+    for _ in range(3):
+        registry.create(16, "127.0.0.1")
+    assert registry.snapshot()["open"] == 3
+    registry.close()
+    assert not memfd_slots()
+
+
+def upload_as(registry: SlotRegistry, message: Any, client: str) -> tuple[dict[str, Any], bytes]:
+    plan = plan_message(message)
+    answer = registry.create(plan.size, client)
+    return answer, write_to_slot(answer, plan).encode()
 
 
 def test_an_expired_slot_is_closed_and_refused() -> None:

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from arctic_rl.errors import (
     ArcticRLError,
     BatchValidationError,
     ConfigError,
+    EngineDiedError,
     EngineError,
     EngineStateError,
     InvalidRequestError,
@@ -24,23 +25,37 @@ from arctic_rl.errors import (
     WireFormatError,
 )
 from arctic_rl.wire import CONTENT_TYPE, decode_message
+from arctic_rl.wire_slots import SLOT_CONTENT_TYPE
 
 __all__ = [
+    "ACCEPTED_CONTENT_TYPES",
     "API_PREFIX",
+    "JSON_CONTENT_TYPE",
     "OPERATIONS",
     "Operation",
     "arguments_from_message",
     "error_body",
     "is_loopback",
+    "media_type",
     "parse_arguments",
     "read_token",
 ]
 
 API_PREFIX = "/v1"
+JSON_CONTENT_TYPE = "application/json"
+# The request bodies the server parses; a browser sends text/plain and form bodies cross-origin without a preflight,
+# so none of those reach a parser.
+ACCEPTED_CONTENT_TYPES = frozenset({JSON_CONTENT_TYPE, CONTENT_TYPE, SLOT_CONTENT_TYPE})
+
+
+def media_type(content_type: str) -> str:
+    """The media type of a ``Content-Type`` header, lowercase and without parameters (``; charset=...``)."""
+    return content_type.split(";")[0].strip().lower()
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    # Strict: a request says what it means ("step": "1" or a prompt of [[true]] is refused, not coerced).
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, strict=True)
 
 
 class NoArguments(_Body):
@@ -67,6 +82,24 @@ class FwdBwdBody(_Body):
     old_log_probs_from_forward: StrictBool = Field(
         default=False, description="The batch has no old_log_probs: use the training forward's (one update per batch)."
     )
+
+    @field_validator("processing")
+    @classmethod
+    def _processing_shape(cls, processing: dict[str, Any] | None) -> dict[str, Any] | None:
+        if processing is None:
+            return None
+        unknown = sorted(set(processing) - {"loss_fn", "config"})
+        if unknown:
+            raise ValueError(f"processing accepts the keys 'loss_fn' and 'config', got also {unknown}")
+        if "loss_fn" in processing and not isinstance(processing["loss_fn"], str):
+            raise ValueError(
+                f"processing.loss_fn is a registered loss name (a string), got {type(processing['loss_fn']).__name__}"
+            )
+        if processing.get("config") is not None and not isinstance(processing["config"], dict):
+            raise ValueError(
+                f"processing.config is an object of the loss's fields, got {type(processing['config']).__name__}"
+            )
+        return processing
 
 
 class TrainStepBody(FwdBwdBody):
@@ -158,26 +191,41 @@ def read_token(path: str | Path) -> str:
     return token
 
 
+# First match wins: EngineDiedError before EngineError. A plain EngineError (one call failed, the engine lives) is
+# neither the user's mistake nor a dead engine: error_body answers it with a 500 that keeps its details server-side.
 _STATUS: tuple[tuple[type[ArcticRLError], int], ...] = (
     (BatchValidationError, 422),
     (ConfigError, 422),
     (InvalidRequestError, 422),
     (EngineStateError, 409),
-    (EngineError, 503),
+    (EngineDiedError, 503),
+    (EngineError, 500),
     (WireFormatError, 400),
     (MissingDependencyError, 501),
 )
 
 
-def error_body(error: ArcticRLError) -> tuple[int, dict[str, Any]]:
-    """The status and JSON body of an arctic-rl error (the client rebuilds the same exception from it)."""
+def error_body(error: ArcticRLError, op: str = "") -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of an arctic-rl error (the client rebuilds the same exception from it).
+
+    A plain ``EngineError`` (a failed call) may carry an engine's internals (a remote traceback, pids, node
+    addresses): its body names the engine and the operation only, and the server logs the rest.
+    """
     status = next((code for kind, code in _STATUS if isinstance(error, kind)), 400)
     body: dict[str, Any] = {"error": type(error).__name__, "message": str(error)}
     if isinstance(error, BatchValidationError):
         body.update(key=error.key, detail=error.message)
     elif isinstance(error, InvalidRequestError):
         body.update(field=error.field, detail=error.message)
-    elif isinstance(error, (EngineError, EngineStateError)):
+    elif isinstance(error, EngineDiedError):
+        body.update(engine=error.engine, detail=error.message)
+    elif isinstance(error, EngineError):
+        detail = (
+            f"{op or 'the call'} failed inside the engine (it is still running); the server's log has the details. "
+            "Report it with that log if the request was valid."
+        )
+        body.update(message=f"{error.engine} engine: {detail}", engine=error.engine, detail=detail)
+    elif isinstance(error, EngineStateError):
         body.update(engine=error.engine, detail=error.message)
     elif isinstance(error, MissingDependencyError):
         body.update(package=error.package, extra=error.extra, purpose=error.purpose)
@@ -194,10 +242,18 @@ def _validation_message(error: ValidationError, op: str) -> str:
 
 
 def parse_arguments(op: str, content_type: str, body: bytes, limit: int) -> dict[str, Any]:
-    if content_type.split(";")[0].strip() == CONTENT_TYPE:
+    """The keyword arguments of ``op`` from a JSON or wire-format body (``content_type`` says which)."""
+    kind = media_type(content_type)
+    if kind == CONTENT_TYPE:
         message = decode_message(body, max_bytes=limit)
     elif not body.strip():
+        # A GET has no body (and the server refuses a POST without a JSON or wire content type before this).
         message = {}
+    elif kind != JSON_CONTENT_TYPE:
+        raise WireFormatError(
+            f"{op}: a body of Content-Type {content_type!r} is not parsed; send JSON (application/json) or the wire "
+            f"format ({CONTENT_TYPE})."
+        )
     else:
         try:
             message = json.loads(body)

@@ -95,10 +95,13 @@ def _rebuild_error(op: str, url: str, response: httpx.Response) -> ArcticRLError
         body = {}
     message = str(body.get("message") or response.text[:500])
     status = response.status_code
-    if status == 401:
-        return ConfigError(f"{op}: the server at {url} refused the request (401): {message}")
+    if status in (401, 403, 415, 421) or body.get("error") == "Unauthorized":
+        # The token, the Host or Origin header, or the content type: this client's configuration or headers.
+        return ConfigError(f"{op}: the server at {url} refused the request ({status}): {message}")
     builders: dict[str, Callable[[], ArcticRLError]] = {
         "BatchValidationError": lambda: BatchValidationError(body["key"], body["detail"]),
+        "InvalidRequestError": lambda: InvalidRequestError(body["field"], body["detail"]),
+        "EngineDiedError": lambda: EngineDiedError(body["engine"], body["detail"]),
         "EngineError": lambda: EngineError(body["engine"], body["detail"]),
         "EngineDiedError": lambda: EngineDiedError(body["engine"], body["detail"]),
         "InvalidRequestError": lambda: InvalidRequestError(body["field"], body["detail"]),
@@ -398,7 +401,7 @@ class HttpTransport:
                 if self._async_client is None:
                     self._async_client = httpx.AsyncClient(timeout=self.timeout)
                 with contextlib.suppress(httpx.HTTPError):
-                    await self._async_client.post(f"{self.url}{API_PREFIX}/shutdown", headers=self.headers)
+                    await self._async_client.post(f"{self.url}{API_PREFIX}/shutdown", json={}, headers=self.headers)
                 await asyncio.to_thread(self.server.stop)
         finally:
             if self._async_client is not None:
@@ -414,7 +417,7 @@ class HttpTransport:
                 if self._sync_client is None:
                     self._sync_client = httpx.Client(timeout=self.timeout)
                 with contextlib.suppress(httpx.HTTPError):
-                    self._sync_client.post(f"{self.url}{API_PREFIX}/shutdown", headers=self.headers)
+                    self._sync_client.post(f"{self.url}{API_PREFIX}/shutdown", json={}, headers=self.headers)
                 self.server.stop()
         finally:
             if self._sync_client is not None:

@@ -17,6 +17,11 @@ memory it is written once by the client and read in place by the server. The exc
    writable mapping of it exists), maps it copy-on-write and decodes the message in place with every check of the
    body path (:func:`arctic_rl.wire.decode_message_view`). A slot is used once.
 
+Bounds: every open slot holds a file descriptor and memory until it is used or expires, so the server keeps at most
+``max_open_slots`` (64) open, at most ``max_slots_per_client`` (16) for one client address, and at most
+``max_open_bytes`` (twice the request limit) in all; beyond any of them a request gets 429 with ``Retry-After`` (the
+seconds until the client's, or anyone's, oldest slot expires), and the client sends that batch as the body.
+
 Security: only processes of the server's user (or root) can open another process's ``/proc/<pid>/fd`` entry, so a
 slot is no more exposed than a mode-0600 file; after the write seal nobody can change the bytes the server checked;
 the size seals keep a client from truncating the file under the server's mapping. Nothing is left behind: a slot
@@ -56,6 +61,7 @@ __all__ = [
 SLOTS_PATH = "/wire_slots"
 SLOT_CONTENT_TYPE = "application/vnd.arctic-rl.slot+json"
 _NAME_PATTERN = re.compile(r"arctic-rl-slot-[0-9a-f]{32}")
+_NONCE_PATTERN = re.compile(r"[0-9a-f]{32}")
 _PATH_PATTERN = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
 _NONCE_BYTES = 16
 # Smallest slot: a safetensors blob has at least its 8-byte header length (and the nonce must fit).
@@ -63,12 +69,14 @@ _MIN_SLOT_BYTES = _NONCE_BYTES
 
 
 class SlotUnavailable(Exception):
-    """The server cannot give a slot now; ``status`` is the HTTP status to answer, ``message`` says why."""
+    """The server cannot give a slot now; ``status`` is the HTTP status to answer, ``message`` says why, and
+    ``retry_after_s`` (for 429) when a slot may be free again."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class SlotUnusable(Exception):
@@ -81,19 +89,31 @@ class _Slot:
     size: int
     nonce: bytes
     expires: float
+    client: str
 
 
 class SlotRegistry:
     """The server's upload slots: created on request, used once, closed when used, expired or at shutdown.
 
-    ``max_slot_bytes`` is the request-size limit; at most ``max_open_bytes`` of slots are open at once (beyond it a
-    request gets 429 and the client sends the body instead).
+    ``max_slot_bytes`` is the request-size limit; at most ``max_open_bytes`` of slots, ``max_open_slots`` slots,
+    and ``max_slots_per_client`` slots of one client address are open at once (beyond any of them a request gets
+    429 and the client sends the body instead).
     """
 
-    def __init__(self, max_slot_bytes: int, *, lifetime_s: float = 120.0, max_open_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        max_slot_bytes: int,
+        *,
+        lifetime_s: float = 120.0,
+        max_open_bytes: int | None = None,
+        max_open_slots: int = 64,
+        max_slots_per_client: int = 16,
+    ) -> None:
         self.max_slot_bytes = max_slot_bytes
         self.lifetime_s = lifetime_s
         self.max_open_bytes = 2 * max_slot_bytes if max_open_bytes is None else max_open_bytes
+        self.max_open_slots = max_open_slots
+        self.max_slots_per_client = max_slots_per_client
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
         self.created = 0
@@ -104,8 +124,9 @@ class SlotRegistry:
         with self._lock:
             return {"open": len(self._slots), "created": self.created, "used": self.used}
 
-    def create(self, size: Any) -> dict[str, Any]:
-        """A new slot of exactly ``size`` bytes: ``{"slot", "path", "size", "expires_in_s"}`` (the JSON answer)."""
+    def create(self, size: Any, client: str = "") -> dict[str, Any]:
+        """A new slot of exactly ``size`` bytes for the client at address ``client``: ``{"slot", "path", "size",
+        "expires_in_s"}`` (the JSON answer)."""
         if type(size) is not int or size < _MIN_SLOT_BYTES:
             raise SlotUnavailable(
                 400, f"a slot's size must be an integer of at least {_MIN_SLOT_BYTES} bytes, got {size!r}."
@@ -120,13 +141,7 @@ class SlotRegistry:
             raise SlotUnavailable(501, "this server's platform has no memfd_create; send the batch as the body.")
         self.expire()
         with self._lock:
-            open_bytes = sum(slot.size for slot in self._slots.values())
-            if open_bytes + size > self.max_open_bytes:
-                raise SlotUnavailable(
-                    429,
-                    f"{open_bytes} bytes of slots are open, and {size} more would pass {self.max_open_bytes}; send "
-                    "the batch as the body, or retry once the pending uploads are done.",
-                )
+            self._check_room(size, client)
             name = f"arctic-rl-slot-{secrets.token_hex(16)}"
             nonce = secrets.token_bytes(_NONCE_BYTES)
             fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -140,8 +155,32 @@ class SlotRegistry:
                 os.close(fd)
                 raise SlotUnavailable(503, f"the server could not create a slot ({error}); send the body.") from None
             self.created += 1
-            self._slots[name] = _Slot(fd=fd, size=size, nonce=nonce, expires=time.monotonic() + self.lifetime_s)
+            self._slots[name] = _Slot(
+                fd=fd, size=size, nonce=nonce, expires=time.monotonic() + self.lifetime_s, client=client
+            )
         return {"slot": name, "path": f"/proc/{os.getpid()}/fd/{fd}", "size": size, "expires_in_s": self.lifetime_s}
+
+    def _check_room(self, size: int, client: str) -> None:
+        """Raise 429 when one more slot of ``size`` bytes for ``client`` would pass a bound (under the lock)."""
+        open_slots = list(self._slots.values())
+        own = [slot for slot in open_slots if slot.client == client]
+        open_bytes = sum(slot.size for slot in open_slots)
+        if len(own) >= self.max_slots_per_client:
+            problem, waiting = f"this client has {len(own)} unused slots open, the most one client may hold", own
+        elif len(open_slots) >= self.max_open_slots:
+            problem, waiting = f"{len(open_slots)} slots are open, the most this server holds", open_slots
+        elif open_bytes + size > self.max_open_bytes:
+            problem = f"{open_bytes} bytes of slots are open, and {size} more would pass {self.max_open_bytes}"
+            waiting = open_slots
+        else:
+            return
+        retry_after_s = max(0.0, min(slot.expires for slot in waiting) - time.monotonic()) if waiting else 0.0
+        raise SlotUnavailable(
+            429,
+            f"{problem}; send the batch as the body, or retry once pending uploads are done (an unused slot closes "
+            f"after {self.lifetime_s:g} s).",
+            retry_after_s=retry_after_s,
+        )
 
     def take_message(self, body: bytes, max_bytes: int) -> Any:
         """The message in the slot that the request ``body`` (``{"slot", "nonce", "size"}``) names; the slot is
@@ -211,11 +250,12 @@ def _parse_reference(body: bytes) -> dict[str, Any]:
         or set(reference) != {"slot", "nonce", "size"}
         or not isinstance(reference["slot"], str)
         or not isinstance(reference["nonce"], str)
+        or _NONCE_PATTERN.fullmatch(reference["nonce"]) is None
         or type(reference["size"]) is not int
     ):
         raise WireFormatError(
-            f'a {SLOT_CONTENT_TYPE} body is the JSON object {{"slot": <name>, "nonce": <hex>, "size": <int>}}; '
-            "send that, or the batch itself as the body."
+            f'a {SLOT_CONTENT_TYPE} body is the JSON object {{"slot": <name>, "nonce": <32 hex digits>, "size": '
+            "<int>}; send that, or the batch itself as the body."
         )
     return reference
 
