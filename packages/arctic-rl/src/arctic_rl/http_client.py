@@ -103,8 +103,6 @@ def _rebuild_error(op: str, url: str, response: httpx.Response) -> ArcticRLError
         "InvalidRequestError": lambda: InvalidRequestError(body["field"], body["detail"]),
         "EngineDiedError": lambda: EngineDiedError(body["engine"], body["detail"]),
         "EngineError": lambda: EngineError(body["engine"], body["detail"]),
-        "EngineDiedError": lambda: EngineDiedError(body["engine"], body["detail"]),
-        "InvalidRequestError": lambda: InvalidRequestError(body["field"], body["detail"]),
         "EngineStateError": lambda: EngineStateError(body["detail"], engine=body.get("engine")),
         "ConfigError": lambda: ConfigError(message),
         "WireFormatError": lambda: WireFormatError(message),
