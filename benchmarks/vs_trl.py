@@ -8,10 +8,19 @@ main job draws them, and the ``GRPOConfig`` that ``trl_config`` translates from 
 size, response length, learning rate, AdamW, clipping, loss aggregation, advantage scaling, no KL, one generation
 batch per optimizer step). Both score with the same parity reward.
 
-``summary.vs_trl_speedup`` is our trajectories/s over TRL's (step time only, after each side's set-up);
-``summary.reward_ours`` / ``summary.reward_trl`` are the mean rewards of the last ``--window`` steps.
+Two regimes, each run ours then TRL's, back to back (so machine load hits both alike):
 
-    python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python            # 40 steps each, a few minutes
+- ``tiny``: the main job as it is (2-layer hidden-64 Qwen3, 4 prompts x 8 samples of ~40-byte prompts), where fixed
+  costs per step are the whole step. ``summary.vs_trl_speedup`` is our trajectories/s over TRL's (step time only,
+  after each side's set-up); ``summary.reward_ours`` / ``summary.reward_trl`` the mean rewards of the last
+  ``--window`` steps.
+- ``shared_prompts``: where sharing matters: each prompt starts with ``SHARED_PROMPT_PADDING`` bytes (tokens) of
+  filler before its question, 16 samples share it, and the model has 4 layers of width 256 (the main job's GPU
+  shape). ``summary.vs_trl_speedup_shared_prompts`` and the ``*_shared_prompts`` rewards; its settings, summary and
+  rows sit under ``shared_prompts``.
+
+    python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python            # both regimes, ~15 minutes
+    python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python --regime shared_prompts
     python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python --smoke    # 3 steps each: checks the script
 
 ``nox -s vs_trl`` builds both environments (``trl`` pinned there) and runs it.
@@ -37,12 +46,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 from common import default_out_dir, print_table, run_metadata
-from grpo_parity import RunSettings, client_config, make_prompts, visible_gpus
+from grpo_parity import GPU_MODEL, RunSettings, client_config, make_prompts, visible_gpus
 
 NAME = "vs_trl"
 BENCHMARKS = Path(__file__).resolve().parent
 PEER = BENCHMARKS / "vs_trl_peer.py"
 SIDES: tuple[str, ...] = ("ours", "trl")
+REGIMES: tuple[str, ...] = ("tiny", "shared_prompts")
+# Long prompts that every sample of a group shares: filler bytes (one token each) before the question.
+SHARED_PROMPT_PADDING = 512
+SHARED_PROMPT_STEPS = 20
+# 2 prompts x 16 samples: 32 trajectories a step, as many as the tiny regime's 4 x 8.
+SHARED_PROMPT_SETTINGS: dict[str, int] = {"prompts_per_step": 2, "group": 16, "prompt_padding": SHARED_PROMPT_PADDING}
+
+
+def regime_settings(regime: str, steps: int | None = None) -> tuple[RunSettings, dict[str, int]]:
+    """The main job's settings and the model shape (``save_tiny_qwen3`` overrides) of ``regime``."""
+    if regime == "tiny":
+        return replace(RunSettings(), **({} if steps is None else {"steps": steps})), {}
+    if regime == "shared_prompts":
+        settings = replace(RunSettings(), steps=SHARED_PROMPT_STEPS if steps is None else steps)
+        return replace(settings, **SHARED_PROMPT_SETTINGS), dict(GPU_MODEL)
+    raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}.")
 
 
 def trl_config(settings: RunSettings) -> dict[str, Any]:
@@ -106,7 +131,11 @@ def step_prompts(settings: RunSettings) -> list[tuple[str, str]]:
     import random
 
     rng = random.Random(settings.seed)
-    return [prompt for _ in range(settings.steps) for prompt in make_prompts(rng, settings.prompts_per_step)]
+    return [
+        prompt
+        for _ in range(settings.steps)
+        for prompt in make_prompts(rng, settings.prompts_per_step, settings.prompt_padding)
+    ]
 
 
 def summarize(rows: list[dict[str, Any]], window: int) -> dict[str, float]:
@@ -186,31 +215,45 @@ def run_trl(
     return rows, result
 
 
-def plot(rows: list[dict[str, Any]], summary: dict[str, float], png: Path) -> None:
+def _phase_means(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per step of each phase a side reports (the first step, warm-up, left out when there are more)."""
+    later = steps[1:] or steps
+    names = list(dict.fromkeys(name for row in later for name in row.get("phases", {})))
+    return {name: statistics.fmean(row["phases"].get(name, 0.0) for row in later) for name in names}
+
+
+def plot(regimes: dict[str, dict[str, Any]], png: Path) -> None:
+    """Per regime: both sides' reward curves, and their mean per-phase seconds per step (stacked bars)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (reward_axis, rate_axis) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for side, label in (("ours", "Arctic RL (main job)"), ("trl", "TRL GRPOTrainer")):
-        steps = [row for row in rows if row["side"] == side]
-        x = [row["step"] for row in steps]
-        reward_axis.plot(x, [row["reward"] for row in steps], marker=".", label=label)
-        rate_axis.plot(x, [row["trajectories"] / row["seconds"] for row in steps], marker=".", label=label)
-    reward_axis.set_xlabel("step")
-    reward_axis.set_ylabel("mean reward of the step")
-    reward_axis.set_ylim(0, 1)
-    reward_axis.legend(fontsize=8)
-    rate_axis.set_xlabel("step")
-    rate_axis.set_ylabel("trajectories / s")
-    rate_axis.set_yscale("log")
-    rate_axis.legend(fontsize=8)
-    figure.suptitle(
-        f"parity task, same tiny Qwen3, same CPU: {summary['vs_trl_speedup']:.2f}x the trajectories/s; reward of the "
-        f"last {summary['window']:.0f} steps {summary['reward_ours']:.2f} (ours) vs {summary['reward_trl']:.2f} (TRL)",
-        fontsize=9,
-    )
+    figure, axes = plt.subplots(len(regimes), 2, figsize=(11, 3.6 * len(regimes)), squeeze=False)
+    labels = {"ours": "Arctic RL (main job)", "trl": "TRL GRPOTrainer"}
+    for (regime, block), (reward_axis, phase_axis) in zip(regimes.items(), axes, strict=True):
+        rows, summary = block["rows"], block["summary"]
+        for position, side in enumerate(SIDES):
+            steps = [row for row in rows if row["side"] == side]
+            reward_axis.plot(
+                [row["step"] for row in steps], [row["reward"] for row in steps], marker=".", label=labels[side]
+            )
+            bottom = 0.0
+            for name, seconds in _phase_means(steps).items():
+                phase_axis.bar(position, seconds, bottom=bottom, label=f"{side}: {name}")
+                bottom += seconds
+        reward_axis.set_xlabel("step")
+        reward_axis.set_ylabel("mean reward of the step")
+        reward_axis.set_ylim(0, 1)
+        reward_axis.legend(fontsize=8)
+        reward_axis.set_title(
+            f"{regime}: {summary['vs_trl_speedup']:.2f}x TRL's trajectories/s; last {summary['window']:.0f} steps' "
+            f"reward {summary['reward_ours']:.2f} (ours) vs {summary['reward_trl']:.2f}",
+            fontsize=9,
+        )
+        phase_axis.set_xticks(range(len(SIDES)), [labels[side] for side in SIDES])
+        phase_axis.set_ylabel("seconds per step (mean, after the first)")
+        phase_axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(png, dpi=110)
     plt.close(figure)
@@ -226,10 +269,46 @@ def versions() -> dict[str, str | None]:
     return found
 
 
+def run_regime(
+    regime: str, steps: int | None, window: int, trl_python: str, trl_threads: int, scratch: Path
+) -> dict[str, Any]:
+    """Ours then TRL's on ``regime``'s model, prompts and settings; the settings, summary, rows and load."""
+    from arctic_rl.testing import TINY_QWEN3, save_tiny_qwen3
+
+    settings, shape = regime_settings(regime, steps)
+    model_dir = str(save_tiny_qwen3(scratch / f"{regime}-qwen3", seed=settings.seed, **shape))
+    load = {"before": os.getloadavg()}
+    ours, ours_wall = run_ours(settings, model_dir)
+    load["between"] = os.getloadavg()
+    trl_rows, trl_report = run_trl(settings, model_dir, trl_python, trl_threads, scratch)
+    load["after"] = os.getloadavg()
+    rows = ours + trl_rows
+    summary = summarize(rows, window)
+    summary["wall_seconds_ours"] = ours_wall
+    summary["wall_seconds_trl"] = trl_report["wall_seconds"]
+    for side in SIDES:
+        for name, seconds in _phase_means([row for row in rows if row["side"] == side]).items():
+            summary[f"seconds_{name}_{side}"] = seconds
+    return {
+        "settings": {
+            "ours": asdict(settings),
+            "model": {**TINY_QWEN3, **shape},
+            "trl": trl_config(settings),
+            "trl_optimizer": trl_report["optimizer"],
+            "trl_threads": trl_threads,
+        },
+        "trl_versions": trl_report["versions"],
+        "load": load,
+        "summary": summary,
+        "rows": rows,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", default=os.environ.get("ARCTIC_TRL_PYTHON"), help="interpreter with trl")
-    parser.add_argument("--steps", type=int, default=RunSettings().steps)
+    parser.add_argument("--regime", choices=[*REGIMES, "both"], default="both")
+    parser.add_argument("--steps", type=int, default=None, help="steps of every regime (default: each one's own)")
     parser.add_argument("--window", type=int, default=5, help="last steps whose mean reward is reported")
     # Ray starts each of our engine workers (a fractional CPU claim) with OMP_NUM_THREADS=1; TRL gets the same.
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL's process")
@@ -241,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if visible_gpus():
         parser.error("the comparison runs on the CPU: hide the GPUs (CUDA_VISIBLE_DEVICES=).")
     steps, window = (3, 1) if args.smoke else (args.steps, args.window)
-    settings = replace(RunSettings(), steps=steps)
+    regimes = list(REGIMES) if args.regime == "both" else [args.regime]
     out = args.out or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     meta = run_metadata()
@@ -249,37 +328,42 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_before"] = os.getloadavg()
     meta["versions"].update(versions())
 
-    from arctic_rl.testing import save_tiny_qwen3
-
+    blocks: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = str(save_tiny_qwen3(Path(scratch) / "tiny-qwen3", seed=settings.seed))
-        ours, ours_wall = run_ours(settings, model_dir)
-        meta["load_between"] = os.getloadavg()
-        trl_rows, trl_report = run_trl(settings, model_dir, args.trl_python, args.trl_threads, Path(scratch))
-    rows = ours + trl_rows
-    summary = summarize(rows, window)
-    summary["wall_seconds_ours"] = ours_wall
-    summary["wall_seconds_trl"] = trl_report["wall_seconds"]
-    meta["versions"]["trl"] = trl_report["versions"]["trl"]
-    meta["versions"]["transformers_trl_env"] = trl_report["versions"]["transformers"]
+        for regime in regimes:
+            blocks[regime] = run_regime(regime, steps, window, args.trl_python, args.trl_threads, Path(scratch))
     meta["load_after"] = os.getloadavg()
-    result = {
-        "meta": meta,
-        "settings": {
-            "ours": asdict(settings),
-            "trl": trl_config(settings),
-            "trl_optimizer": trl_report["optimizer"],
-            "trl_threads": args.trl_threads,
-        },
-        "summary": summary,
-        "rows": rows,
-    }
+    first = next(iter(blocks.values()))
+    meta["versions"]["trl"] = first["trl_versions"]["trl"]
+    meta["versions"]["transformers_trl_env"] = first["trl_versions"]["transformers"]
+    summary: dict[str, float] = {}
+    if "tiny" in blocks:
+        summary.update(blocks["tiny"]["summary"])
+    if "shared_prompts" in blocks:
+        shared = blocks["shared_prompts"]["summary"]
+        for key in ("vs_trl_speedup", "vs_trl_speedup_after_first", "reward_ours", "reward_trl", "reward_first_ours",
+                    "reward_first_trl", "trajectories_per_s_ours", "trajectories_per_s_trl"):  # fmt: skip
+            summary[f"{key}_shared_prompts"] = shared[key]
+    result: dict[str, Any] = {"meta": meta, "summary": summary}
+    if "tiny" in blocks:
+        # The tiny regime keeps the layout of the file before the second regime (settings and rows at the top).
+        result.update(settings=blocks["tiny"]["settings"], load=blocks["tiny"]["load"], rows=blocks["tiny"]["rows"])
+    if "shared_prompts" in blocks:
+        result["shared_prompts"] = {
+            key: value for key, value in blocks["shared_prompts"].items() if key != "trl_versions"
+        }
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, summary, out / f"{NAME}.png")
+    plot(blocks, out / f"{NAME}.png")
     columns = ["trajectories_per_s", "reward_first", "reward"]
-    table = [{"side": side, **{key: summary[f"{key}_{side}"] for key in columns}} for side in SIDES]
-    print_table(table, ["side", *columns])
-    print(f"vs_trl_speedup {summary['vs_trl_speedup']:.2f}; wrote {out / f'{NAME}.json'} and {NAME}.png")
+    table = [
+        {"regime": regime, "side": side, **{key: block["summary"][f"{key}_{side}"] for key in columns}}
+        for regime, block in blocks.items()
+        for side in SIDES
+    ]
+    print_table(table, ["regime", "side", *columns])
+    for regime, block in blocks.items():
+        print(f"{regime}: vs_trl_speedup {block['summary']['vs_trl_speedup']:.2f}")
+    print(f"wrote {out / f'{NAME}.json'} and {NAME}.png")
     return 0
 
 

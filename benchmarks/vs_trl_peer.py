@@ -35,11 +35,16 @@ def parity_reward(parity: str, token_ids: list[int]) -> float:
 
 class StepLog:
     """What one run records: the rewards of each ``GRPOTrainer`` reward call (one call per step here, as the
-    generation batch is the step's batch) and the wall time of each optimizer step."""
+    generation batch is the step's batch), the wall time of each optimizer step, and how far into the step the
+    reward call came (``generate``: TRL generates, then scores, then trains; with ``num_iterations=1`` and no KL it
+    runs no other forward before the reward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self.clock = clock
+        self.step_start = clock()
         self.rewards: list[list[float]] = []
         self.response_tokens: list[int] = []
+        self.generate_seconds: list[float] = []
         self.seconds: list[float] = []
 
     def reward_function(self) -> Any:
@@ -48,6 +53,7 @@ class StepLog:
         def parity(completions: list[Any], completion_ids: list[list[int]], **columns: Any) -> list[float]:
             # TRL passes the completion's ids up to and including the first end-of-text token, as the main job's
             # sampler returns them, and every dataset column by name (here ``parity``).
+            self.generate_seconds.append(self.clock() - self.step_start)
             rewards = [parity_reward(asked, ids) for asked, ids in zip(columns["parity"], completion_ids, strict=True)]
             self.rewards.append(rewards)
             self.response_tokens.append(sum(len(ids) for ids in completion_ids))
@@ -68,9 +74,10 @@ class StepLog:
                 "seconds": seconds,
                 "trajectories": len(rewards),
                 "response_tokens": tokens,
+                "phases": {"generate": generate, "train": seconds - generate},
             }
-            for step, (rewards, seconds, tokens) in enumerate(
-                zip(self.rewards, self.seconds, self.response_tokens, strict=True)
+            for step, (rewards, seconds, tokens, generate) in enumerate(
+                zip(self.rewards, self.seconds, self.response_tokens, self.generate_seconds, strict=True)
             )
         ]
 
@@ -86,10 +93,10 @@ def run(settings: dict[str, Any]) -> dict[str, Any]:
     class StepTimer(transformers.TrainerCallback):
         # An optimizer step of GRPOTrainer generates, scores and trains, so its wall time is the step's.
         def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-            self.start = time.perf_counter()
+            log.step_start = log.clock()
 
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            log.seconds.append(time.perf_counter() - self.start)
+            log.seconds.append(log.clock() - log.step_start)
 
     start = time.perf_counter()
     torch.set_num_threads(settings["threads"])

@@ -45,7 +45,8 @@ def test_the_peer_reward_scores_exactly_as_the_main_jobs(parity: str) -> None:
 
 
 def test_the_reward_function_trl_gets_scores_its_batch_and_logs_each_step() -> None:
-    log = vs_trl_peer.StepLog()
+    ticks = iter([10.0, 10.2])
+    log = vs_trl_peer.StepLog(clock=lambda: next(ticks))
     reward = log.reward_function()
     parities = ["even", "odd"] * (len(COMPLETIONS) // 2) + ["even"]
     # As GRPOTrainer calls it: prompts, decoded completions, ids (up to the first end of text), dataset columns.
@@ -60,14 +61,17 @@ def test_the_reward_function_trl_gets_scores_its_batch_and_logs_each_step() -> N
     assert reward.__name__ == "parity"
     log.seconds.append(0.5)
     (row,) = log.rows()
+    # The step began at 10.0 and the reward call came at 10.2: 0.2 s of generation, the rest training.
     assert row == {
         "step": 0,
         "reward": pytest.approx(sum(got) / len(got)),
         "seconds": 0.5,
         "trajectories": len(COMPLETIONS),
         "response_tokens": sum(map(len, COMPLETIONS)),
+        "phases": {"generate": pytest.approx(0.2), "train": pytest.approx(0.3)},
     }
     # A second reward call in the same optimizer step means TRL regenerated mid-step: the rows would not pair up.
+    log.clock = lambda: 11.0
     reward(completions=[], completion_ids=[[2]], parity=["even"])
     with pytest.raises(RuntimeError, match="one generation batch per step"):
         log.rows()
@@ -105,6 +109,25 @@ def test_the_prompts_are_every_step_of_the_main_job_in_order() -> None:
     assert prompts == [prompt for _ in range(3) for prompt in make_prompts(rng, 4)]
     # Each step's four prompts are distinct draws (TRL groups num_generations completions per dataset row).
     assert len(prompts) == 12 and len({text for text, _ in prompts}) == 12
+
+
+def test_the_shared_prompt_regime_shares_long_prompts_on_a_wider_model() -> None:
+    tiny, tiny_shape = vs_trl.regime_settings("tiny")
+    settings, shape = vs_trl.regime_settings("shared_prompts")
+    assert tiny == RunSettings() and tiny_shape == {}
+    # As many trajectories a step as the tiny regime, in groups of 16 that share a prompt of 512+ tokens.
+    assert settings.prompts_per_step * settings.group == tiny.prompts_per_step * tiny.group
+    assert settings.group == 16 and settings.prompt_padding >= 512
+    assert shape["hidden_size"] >= 256 and shape["num_hidden_layers"] >= 4
+    # Everything else (optimizer, loss, response length, steps' seeds) stays the main job's.
+    assert replace(settings, prompts_per_step=4, group=8, prompt_padding=0, steps=tiny.steps) == tiny
+    prompts = vs_trl.step_prompts(replace(settings, steps=2))
+    assert len(prompts) == 2 * settings.prompts_per_step
+    # One byte is one token of the byte tokenizer: each prompt is padding + its ~35-byte question.
+    assert all(len(text.encode()) > settings.prompt_padding for text, _ in prompts)
+    assert vs_trl.regime_settings("shared_prompts", steps=3)[0].steps == 3
+    with pytest.raises(ValueError, match="regime must be one of"):
+        vs_trl.regime_settings("huge")
 
 
 def _rows(side: str, rewards: list[float], seconds: float, trajectories: int = 32) -> list[dict[str, Any]]:
@@ -148,5 +171,7 @@ def test_smoke_run_of_both_sides(tmp_path: Path) -> None:
     assert vs_trl.main(["--smoke", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "vs_trl.json").read_text())
     assert [row["side"] for row in result["rows"]] == ["ours"] * 3 + ["trl"] * 3
+    assert [row["side"] for row in result["shared_prompts"]["rows"]] == ["ours"] * 3 + ["trl"] * 3
     assert result["summary"]["vs_trl_speedup"] > 0 and result["meta"]["versions"]["trl"]
+    assert result["summary"]["vs_trl_speedup_shared_prompts"] > 0
     assert (tmp_path / "vs_trl.png").stat().st_size > 10_000

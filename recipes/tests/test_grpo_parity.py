@@ -32,6 +32,12 @@ def test_prompts_alternate_parities_and_end_with_the_cue() -> None:
     for text, parity in prompts:
         assert text.endswith(f"bytes: {parity}")
     assert make_prompts(random.Random(0), 6) == prompts
+    # Padding puts random letters first; the question and its cue stay at the end.
+    padded = make_prompts(random.Random(0), 6, padding=40)
+    for (text, parity), (short, _) in zip(padded, prompts, strict=True):
+        filler, question = text.split(" ", 1)
+        assert len(filler) == 40 and filler.isalpha() and question.endswith(f"bytes: {parity}")
+        assert len(text) > len(short)
 
 
 def _record(step: int, reward: float) -> StepRecord:
