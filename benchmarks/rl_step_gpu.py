@@ -474,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     runs: dict[str, Any] = {}
+    import ray
+
+    # One Ray instance for every variant: each client attaches to it (and leaves it up) instead of starting and
+    # stopping its own, which costs seconds per variant and can time out on a loaded machine.
+    ray.init(include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = build_model_dir(Path(scratch) / "model", shape, cuda)
         for variant in variants:
@@ -485,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows += result["rows"]
             runs[variant.name] = {"setup_seconds": result["setup_seconds"]}
+        ray.shutdown()
         if args.trl_python and not args.cpu_smoke:
             trl = run_trl(model_dir, settings, shape, args.trl_python, Path(scratch))
             rows += trl.pop("rows", [])
