@@ -304,6 +304,51 @@ def run_regime(
     }
 
 
+SHARED_SUMMARY_KEYS: tuple[str, ...] = (
+    "vs_trl_speedup",
+    "vs_trl_speedup_after_first",
+    "reward_ours",
+    "reward_trl",
+    "reward_first_ours",
+    "reward_first_trl",
+    "trajectories_per_s_ours",
+    "trajectories_per_s_trl",
+)
+
+
+def file_from_blocks(meta: dict[str, Any], blocks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The results file: the tiny regime keeps the layout the file had before the second regime (its summary,
+    settings, load and rows at the top); the shared-prompt regime's block sits under ``shared_prompts`` and its
+    headline values in the summary with a ``_shared_prompts`` suffix."""
+    summary: dict[str, float] = {}
+    result: dict[str, Any] = {"meta": meta, "summary": summary}
+    if "tiny" in blocks:
+        tiny = blocks["tiny"]
+        summary.update(tiny["summary"])
+        result.update(settings=tiny["settings"], load=tiny["load"], ran=tiny.get("ran"), rows=tiny["rows"])
+    if "shared_prompts" in blocks:
+        shared = blocks["shared_prompts"]
+        summary.update({f"{key}_shared_prompts": shared["summary"][key] for key in SHARED_SUMMARY_KEYS})
+        result["shared_prompts"] = shared
+    return result
+
+
+def blocks_from_file(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The regimes' blocks of a results file (``file_from_blocks`` undone)."""
+    blocks: dict[str, dict[str, Any]] = {}
+    if "rows" in result:
+        blocks["tiny"] = {
+            "settings": result["settings"],
+            "load": result.get("load"),
+            "ran": result.get("ran") or {"date": result["meta"]["date"], "commit": result["meta"]["commit"]},
+            "rows": result["rows"],
+            "summary": {key: value for key, value in result["summary"].items() if not key.endswith("_shared_prompts")},
+        }
+    if "shared_prompts" in result:
+        blocks["shared_prompts"] = result["shared_prompts"]
+    return blocks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", default=os.environ.get("ARCTIC_TRL_PYTHON"), help="interpreter with trl")
@@ -332,26 +377,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for regime in regimes:
             blocks[regime] = run_regime(regime, steps, window, args.trl_python, args.trl_threads, Path(scratch))
+            blocks[regime]["ran"] = {"date": run_metadata()["date"], "commit": meta["commit"]}
     meta["load_after"] = os.getloadavg()
-    first = next(iter(blocks.values()))
-    meta["versions"]["trl"] = first["trl_versions"]["trl"]
-    meta["versions"]["transformers_trl_env"] = first["trl_versions"]["transformers"]
-    summary: dict[str, float] = {}
-    if "tiny" in blocks:
-        summary.update(blocks["tiny"]["summary"])
-    if "shared_prompts" in blocks:
-        shared = blocks["shared_prompts"]["summary"]
-        for key in ("vs_trl_speedup", "vs_trl_speedup_after_first", "reward_ours", "reward_trl", "reward_first_ours",
-                    "reward_first_trl", "trajectories_per_s_ours", "trajectories_per_s_trl"):  # fmt: skip
-            summary[f"{key}_shared_prompts"] = shared[key]
-    result: dict[str, Any] = {"meta": meta, "summary": summary}
-    if "tiny" in blocks:
-        # The tiny regime keeps the layout of the file before the second regime (settings and rows at the top).
-        result.update(settings=blocks["tiny"]["settings"], load=blocks["tiny"]["load"], rows=blocks["tiny"]["rows"])
-    if "shared_prompts" in blocks:
-        result["shared_prompts"] = {
-            key: value for key, value in blocks["shared_prompts"].items() if key != "trl_versions"
+    reported = [block.pop("trl_versions") for block in blocks.values()]
+    meta["versions"]["trl"] = reported[0]["trl"]
+    meta["versions"]["transformers_trl_env"] = reported[0]["transformers"]
+    previous = out / f"{NAME}.json"
+    if args.regime != "both" and previous.exists():
+        # One regime rerun: the other regime's block stays as the file holds it (with its own date and commit).
+        kept = blocks_from_file(json.loads(previous.read_text()))
+        blocks = {
+            regime: blocks.get(regime) or kept[regime] for regime in REGIMES if regime in blocks or regime in kept
         }
+    result = file_from_blocks(meta, blocks)
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(blocks, out / f"{NAME}.png")
     columns = ["trajectories_per_s", "reward_first", "reward"]

@@ -165,6 +165,26 @@ def test_summary_compares_throughput_and_the_last_steps_reward() -> None:
         vs_trl.summarize(rows, window=6)
 
 
+def test_the_results_file_keeps_each_regimes_block() -> None:
+    tiny_rows = _rows("ours", [0.4, 0.9], 0.5) + _rows("trl", [0.4, 0.8], 0.25)
+    shared_rows = _rows("ours", [0.4, 0.6], 1.0) + _rows("trl", [0.4, 0.5], 4.0)
+    blocks = {
+        regime: {"settings": {"regime": regime}, "load": {}, "ran": {"date": "d", "commit": "c"}, "rows": rows,
+                 "summary": vs_trl.summarize(rows, window=1)}
+        for regime, rows in (("tiny", tiny_rows), ("shared_prompts", shared_rows))
+    }  # fmt: skip
+    result = vs_trl.file_from_blocks({"date": "d", "commit": "c"}, blocks)
+    # The tiny regime where the file always had it; the shared one beside it, its headline in the summary.
+    assert result["rows"] == tiny_rows and result["summary"]["vs_trl_speedup"] == pytest.approx(0.5)
+    assert result["summary"]["vs_trl_speedup_shared_prompts"] == pytest.approx(4.0)
+    assert result["shared_prompts"]["rows"] == shared_rows
+    assert vs_trl.blocks_from_file(json.loads(json.dumps(result))) == blocks
+    alone = vs_trl.file_from_blocks({}, {"shared_prompts": blocks["shared_prompts"]})
+    assert "rows" not in alone and set(alone["summary"]) == {
+        f"{key}_shared_prompts" for key in vs_trl.SHARED_SUMMARY_KEYS
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("ARCTIC_TRL_PYTHON"), reason="needs ARCTIC_TRL_PYTHON (nox -s vs_trl)")
 def test_smoke_run_of_both_sides(tmp_path: Path) -> None:
