@@ -19,7 +19,7 @@ Two regimes, each run ours then TRL's, back to back (so machine load hits both a
   shape). ``summary.vs_trl_speedup_shared_prompts`` and the ``*_shared_prompts`` rewards; its settings, summary and
   rows sit under ``shared_prompts``.
 
-    python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python            # both regimes, ~15 minutes
+    python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python            # both regimes, ~25 minutes loaded
     python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python --regime shared_prompts
     python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python --smoke    # 3 steps each: checks the script
 
@@ -55,7 +55,7 @@ SIDES: tuple[str, ...] = ("ours", "trl")
 REGIMES: tuple[str, ...] = ("tiny", "shared_prompts")
 # Long prompts that every sample of a group shares: filler bytes (one token each) before the question.
 SHARED_PROMPT_PADDING = 512
-SHARED_PROMPT_STEPS = 20
+SHARED_PROMPT_STEPS = 12
 # 2 prompts x 16 samples: 32 trajectories a step, as many as the tiny regime's 4 x 8.
 SHARED_PROMPT_SETTINGS: dict[str, int] = {"prompts_per_step": 2, "group": 16, "prompt_padding": SHARED_PROMPT_PADDING}
 
