@@ -77,7 +77,7 @@ def test_cpu_smoke_runs_each_phase_through_the_engines(tmp_path: Path) -> None:
     assert result["runs"].keys() == {"split", "split_no_dedup"}, result["runs"]
     for side in ("split", "split_no_dedup"):
         rows = [row for row in result["rows"] if row["side"] == side]
-        assert [row["step"] for row in rows] == [0, 1]
+        assert [row["step"] for row in rows] == [0, 1], result["runs"]
         for row in rows:
             assert set(row["phases"]) == set(rl_step_gpu.PHASES)
             assert row["phases"]["generate"] > 0 and row["phases"]["train"] > 0 and row["phases"]["sync"] > 0

@@ -27,6 +27,7 @@ from arctic_rl.errors import (  # noqa: E402
     EngineDiedError,
     EngineError,
     EngineStateError,
+    InvalidRequestError,
 )
 from arctic_rl.service import attach_service  # noqa: E402
 
@@ -201,7 +202,7 @@ def test_train_step_is_fwd_bwd_step_and_sync_in_one_call(local_ray: None) -> Non
         # Refused before any engine runs: a bad batch, a non-bool flag, a sleeping sampler to sync.
         with pytest.raises(BatchValidationError, match="advantages"):
             client.train_step({**batch, "advantages": None}, old_log_probs_from_forward=True)
-        with pytest.raises(ConfigError, match="sync_weights must be True or False"):
+        with pytest.raises(InvalidRequestError, match="sync_weights: must be true or false"):
             client.train_step(batch, sync_weights="yes")  # type: ignore[arg-type]
         client.sleep_inference()
         with pytest.raises(EngineStateError, match="wake_inference"):

@@ -467,8 +467,8 @@ class RLService:
 
         self._require_open()
         if not isinstance(old_log_probs_from_forward, bool):
-            raise ConfigError(
-                f"old_log_probs_from_forward must be True or False, got {type(old_log_probs_from_forward).__name__}."
+            raise InvalidRequestError(
+                "old_log_probs_from_forward", f"must be true or false, got {old_log_probs_from_forward!r}."
             )
         loss_name, loss_config = _parse_processing(processing)
         require = ("advantages",) if old_log_probs_from_forward else ("old_log_probs", "advantages")
@@ -548,7 +548,7 @@ class RLService:
         """
         self._require_open()
         if not isinstance(sync_weights, bool):
-            raise ConfigError(f"sync_weights must be True or False, got {type(sync_weights).__name__}.")
+            raise InvalidRequestError("sync_weights", f"must be true or false, got {sync_weights!r}.")
         self._require_awake("training", "train_step()")
         if sync_weights:
             self._require_awake("sampling", "train_step(sync_weights=True)")
