@@ -449,6 +449,21 @@ def build_model_dir(directory: Path, shape: StepShape, cuda: bool) -> str:
     return str(directory)
 
 
+def start_ray(attempts: int = 3) -> None:
+    """A local Ray instance, retried: on a loaded machine a raylet can miss Ray's fixed 30 s registration deadline
+    (Ray raises a bare ``Exception`` saying it "timed out during startup")."""
+    import ray
+
+    for attempt in range(attempts):
+        try:
+            ray.init(include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as error:
+            if "timed out during startup" not in str(error) or attempt == attempts - 1:
+                raise
+            ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
@@ -478,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # One Ray instance for every variant: each client attaches to it (and leaves it up) instead of starting and
     # stopping its own, which costs seconds per variant and can time out on a loaded machine.
-    ray.init(include_dashboard=False, log_to_driver=False)
+    start_ray()
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = build_model_dir(Path(scratch) / "model", shape, cuda)
         for variant in variants:
