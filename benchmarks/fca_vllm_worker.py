@@ -49,6 +49,8 @@ class BenchWorkerExtension(FcaWorkerExtension):
         )
         runner = type(getattr(worker, "model_runner", None))
         return {
+            # Asked here: in the engine's own process a CUDA call would hold a second CUDA context for the whole run.
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "cudagraph_mode": getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode)),
             "attention_backends": backends,
             "model_runner": f"{runner.__module__}.{runner.__qualname__}",

@@ -59,6 +59,17 @@ def test_cpu_smoke_writes_every_row_and_the_exactness_comparison(tmp_path: Path)
     assert exactness["greedy_fp32"]["identical_sequences"] == exactness["greedy_fp32"]["sequences"] == 6
     assert 0 < exactness["default_bf16_vs_default_fp32_logprob_diff"]["max"] < 0.1
     assert (tmp_path / "fca_vllm.png").exists()
+    # Work split over device calls merges back into one report: the same run twice gives the same report.
+    merged_dir = tmp_path / "merged"
+    merged = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fca_vllm.py"), "--merge", str(tmp_path / "fca_vllm.json"),
+         str(tmp_path / "fca_vllm.json"), "--out", str(merged_dir)],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert merged.returncode == 0, merged.stdout[-3000:] + merged.stderr[-3000:]
+    again = json.loads((merged_dir / "fca_vllm.json").read_text())
+    assert again["summary"] == summary and again["rows"] == rows and again["exactness"] == result["exactness"]
+    assert again["meta"]["commit"] == result["meta"]["commit"] and len(again["meta"]["merged_from"]) == 2
 
 
 @pytest.mark.slow
