@@ -31,7 +31,7 @@ httpx = pytest.importorskip("httpx")
 from test_end_to_end import CPU_SLOTS, PAD, PROMPTS, make_config  # noqa: E402
 
 from arctic_rl import ArcticRLClientConfig, SyncArcticRLClient, build_grpo_batch, create_arctic_rl_client  # noqa: E402
-from arctic_rl.errors import ArcticRLError, EngineDiedError  # noqa: E402
+from arctic_rl.errors import ArcticRLError, EngineDiedError, InvalidRequestError  # noqa: E402
 from arctic_rl.http_client import LocalServer  # noqa: E402
 from arctic_rl.testing import save_tiny_qwen3  # noqa: E402
 from arctic_rl.wire_slots import SLOT_CONTENT_TYPE  # noqa: E402
@@ -167,10 +167,9 @@ def test_a_checkpoint_path_naming_died_marks_no_engine_dead(server: RealServer, 
         ("save_checkpoint", {"path": "/proc/who-died-here"}),
     ):
         response = httpx.post(f"{server.url}/v1/{op}", json=body, timeout=120)
-        # The user's mistake (422 once the service checks the path first) or a failed call (500): never 503.
-        assert response.status_code in (422, 500), (op, response.status_code, response.text)
-        assert_error_body(response, response.status_code)
-        with pytest.raises(ArcticRLError) as raised:
+        # The user's mistake, refused before DeepSpeed sees the path: 422 naming the field, never 503.
+        assert assert_error_body(response, 422, "InvalidRequestError")["field"] in ("path", "step")
+        with pytest.raises(InvalidRequestError) as raised:
             if op == "load_checkpoint":
                 client.load_checkpoint(body["path"])
             else:
