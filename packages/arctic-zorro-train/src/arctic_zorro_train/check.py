@@ -69,11 +69,13 @@ def load_config(source: str) -> Any:
 
 
 def format_report(report: ParityReport) -> str:
-    """A table of every parameter (gradient rel-L2, pass/FAIL), then logprobs, entropy, loss and the summary."""
+    """A table of every parameter (gradient rel-L2, the mode where it was largest, pass/FAIL), then logprobs,
+    entropy, loss and the summary."""
     width = max([len("parameter"), *(len(parameter.name) for parameter in report.parameters)])
-    lines = [f"{'parameter':<{width}}  {'rel-L2':>9}  result"]
+    lines = [f"{'parameter':<{width}}  {'rel-L2':>9}  {'mode':<5}  result"]
     lines += [
-        f"{parameter.name:<{width}}  {parameter.relative_error:9.2e}  {'pass' if parameter.passed else 'FAIL'}"
+        f"{parameter.name:<{width}}  {parameter.relative_error:9.2e}  {parameter.mode:<5}  "
+        f"{'pass' if parameter.passed else 'FAIL'}"
         for parameter in report.parameters
     ]
     lines.append("")

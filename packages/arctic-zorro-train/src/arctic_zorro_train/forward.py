@@ -69,6 +69,9 @@ def zorro_forward(
 ) -> ZorroOutput:
     """Run a patched model once over ``plan``'s packed stream. Settings default to the patch's."""
     patch = get_patch(model)
+    # A train()/eval() switch may have dropped patched layer forwards (transformers 5.25's kernelize): without them
+    # the Gated DeltaNet layers would run over the packed stream as one sequence.
+    patch.reinstall_layer_forwards()
     settings = patch.settings
     config = patch.text_config
     conv_width = getattr(config, "linear_conv_kernel_dim", None) if patch.linear_attention_modules else None

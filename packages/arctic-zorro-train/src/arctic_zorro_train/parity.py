@@ -1,17 +1,18 @@
 """Parity of the deduplicated run with the plain model run on each sample alone.
 
-``measure_parity`` runs both on one model and batch, in training mode, and reports every difference: the package's
-tests assert on it, and ``check_parity`` runs it on a tiny random-init copy of any supported architecture (seconds on
-a CPU). ``apply_zorro`` runs ``check_parity`` as a self-check under a transformers release outside the tested range
-(``versions.py``); ``python -m arctic_zorro_train.check`` prints it as a table.
+``measure_parity`` runs both on one model and batch, in eval mode and in training mode (switching the patched model
+between them, as RL engines do), and reports every difference: the package's tests assert on it, and
+``check_parity`` runs it on a tiny random-init copy of any supported architecture, saved and loaded back as users
+load models (seconds on a CPU). ``apply_zorro`` runs ``check_parity`` as a self-check under a transformers release
+outside the tested range (``versions.py``); ``python -m arctic_zorro_train.check`` prints it as a table.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -30,7 +31,15 @@ from arctic_zorro_train.testing import (
 )
 from arctic_zorro_train.versions import installed_transformers, parity_check_running
 
-__all__ = ["PARITY_TOLERANCE", "ParameterParity", "ParityReport", "check_parity", "measure_parity"]
+__all__ = [
+    "MODEL_MODES",
+    "PARITY_TOLERANCE",
+    "ModelMode",
+    "ParameterParity",
+    "ParityReport",
+    "check_parity",
+    "measure_parity",
+]
 
 # The project's exactness bound: logprobs and entropies (max absolute difference), the loss, and every parameter
 # gradient (relative L2) of the deduplicated run against the per-sample run, in fp32 and float64 alike.
@@ -42,19 +51,37 @@ _TEMPERATURE = 0.8
 _KL_COEF = 0.1
 
 
+ModelMode = Literal["eval", "train"]
+# The modes measure_parity runs in, in this order: a log-prob engine's eval() forward, then the training step after
+# the switch back to train() (transformers 5.25 re-kernelizes a loaded model on that switch, issue #37).
+MODEL_MODES: tuple[ModelMode, ...] = ("eval", "train")
+
+
 def _within(error: float, tolerance: float) -> bool:
     # Written so that NaN fails: a NaN gradient is not parity.
     return error <= tolerance
 
 
+def _exceeds(error: float, previous: float) -> bool:
+    """Whether ``error`` is worse than ``previous`` (NaN is worse than any number)."""
+    return not math.isnan(previous) and (math.isnan(error) or error > previous)
+
+
+def _worse(first: float, second: float) -> float:
+    """The larger error, NaN where either is NaN."""
+    return math.nan if math.isnan(first) or math.isnan(second) else max(first, second)
+
+
 @dataclass(frozen=True)
 class ParameterParity:
     """One parameter's gradient: relative L2 error of the deduplicated run's against the per-sample run's
-    (absolute where the per-sample gradient is zero)."""
+    (absolute where the per-sample gradient is zero), the largest over the modes checked; ``mode`` is where it
+    was largest."""
 
     name: str
     relative_error: float
     tolerance: float = PARITY_TOLERANCE
+    mode: ModelMode = "train"
 
     @property
     def passed(self) -> bool:
@@ -63,7 +90,8 @@ class ParameterParity:
 
 @dataclass(frozen=True)
 class ParityReport:
-    """Deduplicated run vs per-sample run of one model on one batch, both in training mode (``module.train()``).
+    """Deduplicated run vs per-sample run of one model on one batch, in each of ``modes`` (``module.eval()`` /
+    ``module.train()``); every error is the largest over the modes.
 
     ``logprob_error`` / ``entropy_error``: the largest absolute difference over every response token, taken over
     a no-grad forward (what a log-prob engine runs) and a forward with autograd on (the training forward).
@@ -81,6 +109,7 @@ class ParityReport:
     parameters: tuple[ParameterParity, ...]
     output_dtype: torch.dtype
     tolerance: float = PARITY_TOLERANCE
+    modes: tuple[ModelMode, ...] = ("train",)
 
     @property
     def passed(self) -> bool:
@@ -110,12 +139,13 @@ class ParityReport:
     def summary(self) -> str:
         """One line: what was checked, the largest differences, and the verdict."""
         worst = self.worst_parameters(1)
-        gradient = f"{worst[0].relative_error:.2e} ({worst[0].name})" if worst else "not checked"
+        gradient = f"{worst[0].relative_error:.2e} ({worst[0].name}, {worst[0].mode})" if worst else "not checked"
         verdict = "PASSED" if self.passed else f"FAILED ({len(self.failures())} above the bound)"
         return (
             f"{self.model_type}, {str(self.dtype).removeprefix('torch.')}, {self.attn_implementation} attention, "
-            f"transformers {self.transformers_version}: max |logprob diff| {self.logprob_error:.2e}, max |entropy "
-            f"diff| {self.entropy_error:.2e}, worst gradient rel-L2 {gradient}; bound {self.tolerance:g}: {verdict}"
+            f"{' and '.join(self.modes)} mode, transformers {self.transformers_version}: max |logprob diff| "
+            f"{self.logprob_error:.2e}, max |entropy diff| {self.entropy_error:.2e}, worst gradient rel-L2 "
+            f"{gradient}; bound {self.tolerance:g}: {verdict}"
         )
 
 
@@ -135,47 +165,66 @@ def measure_parity(
     temperature: float = 1.0,
     kl_coef: float = 0.1,
     check_grads: bool = True,
+    modes: Sequence[ModelMode] = MODEL_MODES,
     **actor_options: Any,
 ) -> ParityReport:
     """Run ``model`` per sample (plain transformers, unpatched unless ``actor`` already patched it) and deduplicated
-    (``DeduplicatedActor``, patched on first use) on ``batch``, both in training mode, and compare.
+    (``DeduplicatedActor``, patched on first use) on ``batch`` in each of ``modes``, and compare.
 
-    A float64 model runs inside ``float64_everywhere`` (no fp32 step anywhere). Leaves the deduplicated run's
-    gradients in ``model``'s ``.grad`` and its training/eval mode as it was.
+    The per-sample runs of every mode come first, then the patch, then the deduplicated runs, each after switching
+    the patched model to its mode: RL engines switch a patched policy between ``eval()`` (log-probs) and
+    ``train()`` (the update), and a switch may change which code a layer runs (transformers 5.25 re-kernelizes a
+    loaded model on it, which dropped the patched Gated DeltaNet forwards: issue #37).
+
+    A float64 model runs inside ``float64_everywhere`` (no fp32 step anywhere). Leaves the last mode's
+    deduplicated gradients in ``model``'s ``.grad`` and its training/eval mode as it was.
 
     Args:
         batch: a verl batch with training fields (``old_log_probs``, ``advantages``, ``ref_log_prob``).
         actor: an actor over ``model`` to reuse (otherwise one is made with ``kl_coef`` and ``actor_options``).
         check_grads: also compare the loss and every parameter gradient.
+        modes: ``"eval"`` and/or ``"train"``, in the order to run them.
     """
+    if not modes or any(mode not in MODEL_MODES for mode in modes):
+        raise ValueError(f"modes must name some of {MODEL_MODES}, got {tuple(modes)!r}.")
     was_training = model.training
-    model.train()
+    references: dict[ModelMode, tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = {}
+    logprob_error = entropy_error = 0.0
+    loss_error: float | None = None
+    worst: dict[str, ParameterParity] = {}
     try:
         with model_precision(model):
-            model.zero_grad(set_to_none=True)
-            loss, logprobs, entropy = reference_loss(model, batch, temperature=temperature, kl_coef=kl_coef)
-            if check_grads:
-                loss.backward()
-            expected_grads = collect_grads(model)
+            for mode in modes:
+                model.train(mode == "train")
+                model.zero_grad(set_to_none=True)
+                loss, logprobs, entropy = reference_loss(model, batch, temperature=temperature, kl_coef=kl_coef)
+                if check_grads:
+                    loss.backward()
+                references[mode] = (loss.detach(), logprobs, entropy, collect_grads(model))
             model.zero_grad(set_to_none=True)
             actor = actor or DeduplicatedActor(model, kl_coef=kl_coef, **actor_options)
-            with torch.no_grad():
-                inference = actor.forward(batch, temperature=temperature, calculate_entropy=True)
-            training = actor.forward(batch, temperature=temperature, calculate_entropy=True)
-            outputs = [(output.logprobs.detach(), output.entropy) for output in (inference, training)]
-            logprob_error = max(_max_abs_difference(lp, logprobs) for lp, _ in outputs)
-            entropy_error = max(
-                math.inf if ent is None else _max_abs_difference(ent.detach(), entropy) for _, ent in outputs
-            )
-            del training, outputs
-            loss_error: float | None = None
-            parameters: tuple[ParameterParity, ...] = ()
-            if check_grads:
-                metrics = actor.compute_policy_loss_and_backward(batch, temperature=temperature)
-                loss_error = abs(metrics["actor/policy_loss"] - float(loss.detach()))
-                parameters = tuple(
-                    ParameterParity(name, error) for name, error in gradient_errors(model, expected_grads).items()
-                )
+            for mode in modes:
+                model.train(mode == "train")
+                loss, logprobs, entropy, expected_grads = references[mode]
+                with torch.no_grad():
+                    inference = actor.forward(batch, temperature=temperature, calculate_entropy=True)
+                training = actor.forward(batch, temperature=temperature, calculate_entropy=True)
+                for output in (inference, training):
+                    logprob_error = _worse(logprob_error, _max_abs_difference(output.logprobs.detach(), logprobs))
+                    difference = (
+                        math.inf if output.entropy is None else _max_abs_difference(output.entropy.detach(), entropy)
+                    )
+                    entropy_error = _worse(entropy_error, difference)
+                del training
+                if check_grads:
+                    model.zero_grad(set_to_none=True)
+                    metrics = actor.compute_policy_loss_and_backward(batch, temperature=temperature)
+                    error = abs(metrics["actor/policy_loss"] - float(loss))
+                    loss_error = error if loss_error is None else _worse(loss_error, error)
+                    for name, error in gradient_errors(model, expected_grads).items():
+                        previous = worst.get(name)
+                        if previous is None or _exceeds(error, previous.relative_error):
+                            worst[name] = ParameterParity(name, error, mode=mode)
     finally:
         model.train(was_training)
     config: Any = model.config
@@ -187,8 +236,9 @@ def measure_parity(
         logprob_error=logprob_error,
         entropy_error=entropy_error,
         loss_error=loss_error,
-        parameters=parameters,
+        parameters=tuple(worst.values()),
         output_dtype=inference.logprobs.dtype,
+        modes=tuple(modes),
     )
 
 
@@ -210,10 +260,12 @@ def check_parity(
     architecture, on the CPU, in seconds.
 
     Builds a tiny random-init model from the config (``tiny_config_like``: few layers, hidden size 64, the family's
-    layer types, MoE routing and attention kind kept, dropout 0) in ``dtype``, and a small GRPO-like batch (prompt
-    groups of three, two and one, left and right padding, 25-32 tokens per sequence). Runs both in training mode
-    (``module.train()``) with the PPO clip loss plus a KL term (and the MoE aux loss where the config outputs router
-    logits), and compares logprobs, entropies, the loss and every parameter gradient with ``PARITY_TOLERANCE``.
+    layer types, MoE routing and attention kind kept, dropout 0) in ``dtype``, saved and loaded back with
+    ``from_pretrained`` as users load models, and a small GRPO-like batch (prompt groups of three, two and one, left
+    and right padding, 25-32 tokens per sequence). Runs both in eval mode and, after switching the patched model,
+    in training mode (``measure_parity``) with the PPO clip loss plus a KL term (and the MoE aux loss where the
+    config outputs router logits), and compares logprobs, entropies, the loss and every parameter gradient with
+    ``PARITY_TOLERANCE``.
     The weights of ``model_or_config`` are never read or changed, and the global RNG state is left as it was.
 
     Args:
@@ -257,6 +309,6 @@ def check_parity(
         torch.enable_grad(),
         parity_check_running(),
     ):
-        model = build_model(tiny, dtype=dtype, attn_implementation=implementation, seed=seed)
+        model = build_model(tiny, dtype=dtype, attn_implementation=implementation, seed=seed, from_pretrained=True)
         batch = make_batch(long_samples(), extra_prompt_padding=2, extra_response_padding=1)
         return measure_parity(model, batch, temperature=_TEMPERATURE, kl_coef=_KL_COEF, **options)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,12 @@ class ZorroPatch:
     routers: list[nn.Module]
     forward_patched: bool = False
     undo_steps: list[Callable[[], None]] = field(default_factory=list)
+    # Every layer whose forward the patch replaced, with the replacing function. transformers 5.25 (which depends on
+    # `kernels`) kernelizes a model loaded by from_pretrained again on every train()/eval() switch, and kernelize
+    # drops a forward set on a module instance (or sets a hub kernel's) for the classes transformers decorates with
+    # `use_kernel_forward_from_hub` (Qwen3.5's Gated DeltaNet layers and norms among them): the layers then ran
+    # their own forward over the packed stream, silently (issue #37). The deduplicated forward puts them back first.
+    layer_forwards: list[tuple[nn.Module, Callable[..., Any]]] = field(default_factory=list)
 
     @property
     def text_config(self) -> Any:
@@ -88,12 +95,23 @@ class ZorroPatch:
     def needs_reconstruct(self) -> bool:
         return any(not patcher.use_split_attention for patcher in self.attention_patchers)
 
+    def reinstall_layer_forwards(self) -> None:
+        """Put back every patched layer forward that something replaced since (see ``layer_forwards``)."""
+        for module, forward in self.layer_forwards:
+            installed = module.__dict__.get("forward")
+            if (
+                getattr(installed, "__func__", None) is not forward
+                or getattr(installed, "__self__", None) is not module
+            ):
+                object.__setattr__(module, "forward", types.MethodType(forward, module))
+
     def remove(self) -> None:
         for patcher in self.attention_patchers:
             patcher.unpatch()
         for undo in reversed(self.undo_steps):
             undo()
         self.undo_steps.clear()
+        self.layer_forwards.clear()
 
 
 def get_patch(model: nn.Module) -> ZorroPatch:

@@ -77,7 +77,8 @@ class _AttributeUndo:
 
     def __call__(self) -> None:
         if self.previous is _ABSENT:
-            object.__delattr__(self.target, self.name)
+            # Gone already where transformers' kernelize dropped a patched forward (see ZorroPatch.layer_forwards).
+            self.target.__dict__.pop(self.name, None)
         else:
             object.__setattr__(self.target, self.name, self.previous)
 
@@ -132,6 +133,7 @@ def _mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
 def _patch_layer(patch: ZorroPatch, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
     patch.undo_steps.append(_set_attribute(module, LAYER_PATCH_ATTRIBUTE, patch))
     patch.undo_steps.append(_set_attribute(module, "forward", types.MethodType(forward, module)))
+    patch.layer_forwards.append((module, forward))
 
 
 def find_backbone(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -183,6 +185,7 @@ def apply_zorro(
         for patcher in patch.attention_patchers:
             patcher.use_split_attention = settings.use_split_attention
             patcher.patch()
+        patch.reinstall_layer_forwards()
         if patch_forward and not patch.forward_patched:
             _patch_forward(patch)
         return patch

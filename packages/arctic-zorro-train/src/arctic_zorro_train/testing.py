@@ -5,6 +5,7 @@ policy loss) that deduplicated results are compared with."""
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -264,9 +265,19 @@ def tiny_config_like(config: Any) -> Any:
 
 
 def build_model(
-    config: Any, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager", seed: int = 0
+    config: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "eager",
+    seed: int = 0,
+    from_pretrained: bool = False,
 ) -> nn.Module:
-    """A random-init causal LM (or image-text model, for a VLM config) in ``dtype``."""
+    """A random-init causal LM (or image-text model, for a VLM config) in ``dtype``.
+
+    ``from_pretrained``: saved to a temporary directory and loaded back (in eval mode), as users get a model. A loaded
+    model is not the same object as a built one: transformers 5.25 (which depends on ``kernels``) kernelizes it, and
+    kernelizes it again on every ``train()`` / ``eval()`` switch.
+    """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
@@ -287,7 +298,21 @@ def build_model(
                 parameter.add_(0.1 * torch.randn_like(parameter))
             if name.endswith("A_log"):
                 parameter.copy_(torch.empty_like(parameter).uniform_(0.02, 0.3).log())
+    if from_pretrained:
+        return _saved_and_loaded(model, loader, dtype=dtype, attn_implementation=attn_implementation)
     return model  # type: ignore[no-any-return]
+
+
+def _saved_and_loaded(model: nn.Module, loader: Any, *, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
+    options: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation}
+    experts = getattr(model.config, "_experts_implementation", None)
+    if experts == "eager":
+        options["experts_implementation"] = experts
+    save: Any = model.save_pretrained
+    with tempfile.TemporaryDirectory(prefix="arctic-zorro-tiny-") as directory:
+        save(directory)
+        loaded = loader.from_pretrained(directory, **options)
+    return loaded  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
