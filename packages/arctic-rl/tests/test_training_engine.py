@@ -89,6 +89,40 @@ def test_zorro_on_and_off_give_the_same_logprobs_and_gradients(model_dir: str) -
     assert max(errors.values()) <= TOLERANCE, errors
 
 
+def _save_tiny_hybrid(directory: Path) -> str:
+    """A tiny random-init Qwen3.5 (Gated DeltaNet and attention layers) with the byte tokenizer, saved."""
+    from arctic_rl.testing import build_byte_tokenizer
+    from arctic_zorro_train.testing import build_model, tiny_config
+
+    build_model(tiny_config("qwen3_5", vocab_size=VOCAB_OF_TINY_HYBRID)).save_pretrained(directory)
+    build_byte_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+# Above the byte tokenizer's ids and the test batches' token ids (< VOCAB).
+VOCAB_OF_TINY_HYBRID = 320
+
+
+@pytest.mark.slow
+def test_zorro_gradients_of_a_hybrid_model_after_a_log_prob_pass(tmp_path: Path) -> None:
+    """Issue #37 where users meet it: ``fwd_no_grad`` switches the policy to ``eval()`` and back to ``train()``
+    (transformers 5.25 re-kernelizes a loaded model on both switches, which dropped the patched Gated DeltaNet
+    forwards); the deduplicated ``fwd_bwd`` that follows must still give the padded engine's gradients."""
+    model_dir = _save_tiny_hybrid(tmp_path)
+    batch = make_batch(seed=37)
+    results = {}
+    for zorro in (True, False):
+        engine = TrainingEngine(make_config(model_dir, zorro_train={"enable": zorro}))
+        engine.fwd_no_grad(batch)
+        reply = fwd_bwd(engine, batch)
+        results[zorro] = (reply["loss"], stage0_gradients(engine))
+    (dedup_loss, dedup_grads), (plain_loss, plain_grads) = results[True], results[False]
+    assert math.isclose(dedup_loss, plain_loss, rel_tol=TOLERANCE)
+    assert any("linear_attn" in name for name in plain_grads)
+    errors = {name: relative_l2(dedup_grads[name], plain_grads[name]) for name in plain_grads}
+    assert max(errors.values()) <= TOLERANCE, sorted(errors.items(), key=lambda item: -item[1])[:5]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zorro", [True, False], ids=["zorro", "padded"])
 def test_old_log_probs_from_forward_equal_a_separate_fwd_no_grad(model_dir: str, zorro: bool) -> None:

@@ -1,6 +1,6 @@
 """``check_parity``: deduplicated vs plain per-sample training on a tiny model shrunk from any supported config, in
-training mode; it passes on the real code for every family and real-size shape, and fails on a wrong gradient path.
-Also the ``python -m arctic_zorro_train.check`` command line."""
+eval and training mode; it passes on the real code for every family and real-size shape, and fails on a wrong
+gradient path. Also the ``python -m arctic_zorro_train.check`` command line."""
 
 from __future__ import annotations
 
@@ -125,8 +125,9 @@ def test_unsupported_architecture_is_rejected_with_the_supported_list() -> None:
 def test_check_parity_trains_with_and_without_autograd_and_keeps_the_callers_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every forward of both runs is in training mode, with autograd (training step) and without (log-prob
-    engine); called under no_grad, the check still differentiates, and the caller's RNG stream is untouched."""
+    """Both runs go forward in eval and in training mode, each with autograd (training step) and without (log-prob
+    engine), on a model loaded with from_pretrained; called under no_grad, the check still differentiates, and the
+    caller's RNG stream is untouched."""
     built = spy_on_tiny_models(monkeypatch)
     forwards: list[tuple[bool, bool]] = []
     original_build = parity.build_model
@@ -143,8 +144,8 @@ def test_check_parity_trains_with_and_without_autograd_and_keeps_the_callers_sta
         report = check_parity(tiny_config("qwen3_moe"))
     assert report.passed, report.failures()
     assert len(built) == 1
-    assert all(training for training, _ in forwards)
-    assert {grad for _, grad in forwards} == {True, False}
+    assert set(forwards) == {(True, True), (True, False), (False, True), (False, False)}
+    assert report.modes == ("eval", "train")
     assert torch.equal(torch.get_rng_state(), rng)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from zorro_cases import GRADIENT_BREAKS, break_gradient, fresh_model
 
-from arctic_zorro_train import ZorroPatchError, apply_zorro, is_patched, parity, versions
+from arctic_zorro_train import ZorroPatch, ZorroPatchError, apply_zorro, is_patched, parity, versions
 from arctic_zorro_train.versions import ALLOW_UNTESTED_ENV, check_transformers_version
 
 # The guard belongs to the per-release parity run (`nox -s zorro_transformers`).
@@ -99,6 +99,31 @@ def test_self_check_refuses_a_wrong_gradient_path(family: str, monkeypatch: pyte
         apply_zorro(model)
     assert not is_patched(model)
     # fp32 failed, and float64 (which fp32 rounding cannot fool) confirmed it.
+    assert calls == [torch.float32, torch.float64]
+
+
+def test_self_check_refuses_when_a_mode_switch_drops_the_patched_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #37 on any transformers: a ``train()`` / ``eval()`` switch drops the patched Gated DeltaNet forwards
+    (what transformers 5.25's re-kernelization did) and the patch does not put them back: the self-check, which
+    switches the patched model between eval and training mode, must refuse."""
+    from transformers import PreTrainedModel
+
+    calls = _opt_in_under_an_untested_release(monkeypatch)
+    monkeypatch.setattr(ZorroPatch, "reinstall_layer_forwards", lambda self: None)
+    original_train = PreTrainedModel.train
+
+    def train_and_drop_gated_delta_forwards(self: Any, mode: bool = True) -> Any:
+        result = original_train(self, mode)
+        for module in self.modules():
+            if type(module).__name__.endswith("GatedDeltaNet"):
+                module.__dict__.pop("forward", None)
+        return result
+
+    monkeypatch.setattr(PreTrainedModel, "train", train_and_drop_gated_delta_forwards)
+    model = fresh_model("qwen3_5")
+    with pytest.raises(ZorroPatchError, match=r"parity self-check on a tiny qwen3_5\S* model failed"):
+        apply_zorro(model)
+    assert not is_patched(model)
     assert calls == [torch.float32, torch.float64]
 
 

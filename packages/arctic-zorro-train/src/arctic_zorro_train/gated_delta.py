@@ -350,8 +350,20 @@ def _torch_chunk_rule_for(module: Any) -> Callable[..., tuple[torch.Tensor, torc
             "supported by arctic-zorro-train's Gated DeltaNet path (tested with transformers 5.17-5.25)."
         )
     # transformers wraps this function so that it calls fla when fla is importable
-    # (``use_kernel_func_from_hub_with_fallback``); the torch kernel is the wrapped function.
-    return inspect.unwrap(rule)  # type: ignore[no-any-return]
+    # (``use_kernel_func_from_hub_with_fallback``); the torch kernel is the wrapped function. With `kernels` installed
+    # (a dependency of transformers 5.25) that wrapper is turned into a module instance whose forward calls it.
+    if isinstance(rule, torch.nn.Module):
+        cells = type(rule).forward.__closure__ or ()
+        functions = [cell.cell_contents for cell in cells if inspect.isfunction(cell.cell_contents)]
+        rule = functions[0] if len(functions) == 1 else rule
+    torch_rule = inspect.unwrap(rule)
+    if not inspect.isfunction(torch_rule) or torch_rule.__name__ != "torch_chunk_gated_delta_rule":
+        raise RuntimeError(
+            f"{type(module).__module__}.torch_chunk_gated_delta_rule is a {type(rule).__name__} that does not lead to "
+            "transformers' torch kernel; this transformers/kernels version is not supported by arctic-zorro-train's "
+            "Gated DeltaNet path (tested with transformers 5.17-5.25)."
+        )
+    return torch_rule  # type: ignore[no-any-return]
 
 
 def gated_delta_tree_forward(
