@@ -10,6 +10,7 @@ parameter gradient with plain per-sample runs. Marked ``parity``: rerun on the o
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from zorro_cases import TOLERANCE, Sample, make_batch
 
 from arctic_zorro_train import DeduplicatedActor, apply_zorro, load_model, zorro_forward
 from arctic_zorro_train.actor import response_token_values
+from arctic_zorro_train.gated_delta import _torch_chunk_rule_for
 from arctic_zorro_train.parity import measure_parity
 from arctic_zorro_train.plans import plan_batch
 from arctic_zorro_train.testing import build_model, collect_grads, long_samples, relative_error, tiny_config
@@ -135,3 +137,15 @@ def test_gradient_checkpointing_on_a_loaded_model_in_both_modes(family: str) -> 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = measure_parity(model, make_batch(long_samples(), extra_prompt_padding=1))
     assert report.passed, report.failures()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_the_torch_kernel_is_transformers_own_function(family: str) -> None:
+    """Where fla cannot train, the tree path runs transformers' torch kernel: the plain function, not the wrapper
+    that calls fla when fla is importable (transformers 5.25 with `kernels` makes that wrapper a module)."""
+    model = build_model(tiny_config(family))
+    layer = next(module for module in model.modules() if type(module).__name__.endswith("GatedDeltaNet"))
+    kernel = _torch_chunk_rule_for(layer)
+    assert inspect.isfunction(kernel) and not hasattr(kernel, "__wrapped__")
+    assert kernel.__name__ == "torch_chunk_gated_delta_rule"
+    assert kernel.__module__ == type(layer).__module__
