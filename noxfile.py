@@ -411,7 +411,18 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's sources, with the frameworks they type against installed."""
-    _install(session, "mypy==2.4.1", "torch", "triton", "numpy", "transformers", "pydantic>=2.12", "fastapi", "httpx")
+    _install(
+        session,
+        "mypy==2.4.1",
+        "torch",
+        "triton",
+        "numpy",
+        "transformers",
+        "pydantic>=2.12",
+        "fastapi",
+        "httpx",
+        "uvicorn>=0.30",
+    )
     _drop_cuda_extras(session)
     session.install("--no-deps", *[f"-e{ROOT / 'packages' / name}" for name in PACKAGES])
     session.run("mypy", str(ROOT / "src"), *[str(ROOT / "packages" / name / "src") for name in PACKAGES])
