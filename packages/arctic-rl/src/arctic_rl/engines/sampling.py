@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -492,6 +493,10 @@ class SamplingEngine:
         if hasattr(self, "_llm"):
             self.transfer_shutdown()
             del self._llm
+            # A request that failed inside vLLM leaves a traceback whose frames reference the engine in a reference
+            # cycle; collect it now rather than at some later point, where an in-process engine's teardown would
+            # destroy this process's torch.distributed group under whatever runs then (a DeepSpeed engine).
+            gc.collect()
 
 
 def _first_line(error: BaseException) -> str:
