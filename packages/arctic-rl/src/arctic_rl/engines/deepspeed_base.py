@@ -82,6 +82,39 @@ def _skip_shared_memory_comm_op(deepspeed: Any) -> None:
     compatible_ops[SHARED_MEMORY_COMM_OP] = False
 
 
+def _forget_stale_deepspeed_groups() -> None:
+    """Drop the process groups DeepSpeed caches in module globals before this process's default group is created anew.
+
+    DeepSpeed keeps the world group and the groups derived from it (``deepspeed.utils.groups``) across engines. When
+    the default group they came from was destroyed since (an in-process vLLM engine's teardown destroys the default
+    group it found), they name a group torch no longer knows, and the next engine fails with "Group ... is not
+    registered"; DeepSpeed derives them again from the new group on first use.
+    """
+    from deepspeed.utils import groups
+
+    for name in (
+        "_WORLD_GROUP",
+        "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+        "_DATA_PARALLEL_GROUP",
+        "_MODEL_PARALLEL_GROUP",
+        "_TENSOR_MODEL_PARALLEL_GROUP",
+    ):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in (
+        "_EXPERT_PARALLEL_GROUP",
+        "_EXPERT_PARALLEL_GROUP_RANKS",
+        "_EXPERT_DATA_PARALLEL_GROUP",
+        "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+    ):
+        cached = getattr(groups, name, None)
+        if isinstance(cached, dict):
+            cached.clear()
+    all_to_all = getattr(groups, "_ALL_TO_ALL_GROUP", None)
+    if isinstance(all_to_all, dict):
+        all_to_all.clear()
+
+
 class DeepSpeedModelEngine:
     """Base of ``TrainingEngine`` and ``LogProbEngine``: subclasses choose the DeepSpeed config and optimizer."""
 
@@ -156,6 +189,7 @@ class DeepSpeedModelEngine:
                 )
             self._deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
             return
+        _forget_stale_deepspeed_groups()
         if master_port is None:
             if self.world_size > 1:
                 raise ValueError(
