@@ -13,6 +13,8 @@
 # Output: $CARRY_DIR/calls/NN/ (part NN, SHA256SUMS, NPARTS: what device call NN carries) and .whl/*.whl (the
 # project's wheels; scripts/gpu_round.sh installs whatever .whl holds). The procedure: docs/gpu.md.
 set -euo pipefail
+# shellcheck source=scripts/carry_parts.sh
+source "$(dirname "$0")/carry_parts.sh"
 
 carry_dir="${CARRY_DIR:-.carry/vllm}"
 part_size="${PART_SIZE:-50M}"
@@ -73,60 +75,13 @@ done
 # ImportError): FlashAttention 2 (Hopper runs FA3), FlashMLA, the Rust frontend, deep_gemm builds for other Pythons,
 # and the MoE kernels unless KEEP_MOE=1. Members over 4 KiB are recompressed with LZMA (zip method 14, which pip's
 # zipfile reads): 290 MiB becomes 80 MiB. RECORD loses the dropped files' lines.
-KEEP_MOE="${KEEP_MOE:-0}" "$python" - "$download/$vllm_wheel" "$wheels/$vllm_wheel" << 'EOF'
-import os
-import re
-import sys
-import zipfile
-
-source, target = sys.argv[1], sys.argv[2]
-dropped = [
-    r"vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so",
-    r"vllm/vllm-rs",
-    r"vllm/_flashmla(_extension)?_C\.abi3\.so",
-    r"vllm/third_party/deep_gemm/_C\.cpython-3(10|11|13|14)-x86_64-linux-gnu\.so",
-]
-if os.environ["KEEP_MOE"] != "1":
-    dropped.append(r"vllm/_moe_C_stable_libtorch\.abi3\.so")
-patterns = [re.compile(pattern) for pattern in dropped]
-
-
-def is_dropped(name: str) -> bool:
-    return any(pattern.fullmatch(name) for pattern in patterns)
-
-
-with zipfile.ZipFile(source) as original, zipfile.ZipFile(target, "w") as slim:
-    for member in original.infolist():
-        if is_dropped(member.filename):
-            print(f"  dropped {member.file_size / 2**20:7.1f} MiB  {member.filename}")
-            continue
-        data = original.read(member)
-        if member.filename.endswith(".dist-info/RECORD"):
-            lines = data.decode().splitlines(keepends=True)
-            data = "".join(line for line in lines if not is_dropped(line.split(",")[0])).encode()
-        large = len(data) > 4096
-        method = zipfile.ZIP_LZMA if large else zipfile.ZIP_DEFLATED
-        slim.writestr(member, data, compress_type=method, compresslevel=None if large else 6)
-EOF
-
-# One tar of every wheel (already compressed), cut into parts; one folder per device call.
-(cd "$wheels" && tar -cf ../parts/vllm-carry.tar ./*.whl)
-(
-  cd "$carry_dir/parts"
-  sha256sum vllm-carry.tar > SHA256SUMS
-  split --bytes "$part_size" --numeric-suffixes --suffix-length 2 vllm-carry.tar vllm-carry.tar.part-
-  rm vllm-carry.tar
-  sha256sum vllm-carry.tar.part-* >> SHA256SUMS
-  find . -name 'vllm-carry.tar.part-*' | wc -l > NPARTS
+dropped=(
+  'vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so'
+  'vllm/vllm-rs'
+  'vllm/_flashmla(_extension)?_C\.abi3\.so'
+  'vllm/third_party/deep_gemm/_C\.cpython-3(10|11|13|14)-x86_64-linux-gnu\.so'
 )
-for part in "$carry_dir"/parts/vllm-carry.tar.part-*; do
-  call="$carry_dir/calls/${part##*part-}"
-  mkdir -p "$call"
-  cp "$part" "$carry_dir/parts/SHA256SUMS" "$carry_dir/parts/NPARTS" "$call/"
-done
-rm -rf "$carry_dir/parts"
+[[ "${KEEP_MOE:-0}" == 1 ]] || dropped+=('vllm/_moe_C_stable_libtorch\.abi3\.so')
+PYTHON="$python" recompress_wheel "$download/$vllm_wheel" "$wheels/$vllm_wheel" "${dropped[@]}"
+pack_into_calls vllm-carry "$wheels" "$carry_dir" "$part_size"
 build_project_wheels
-echo "$(du -cb "$wheels"/*.whl | tail -1 | awk '{printf "%.1f MiB", $1 / 1048576}') of wheels in" \
-  "$(cat "$carry_dir"/calls/00/NPARTS) parts:"
-find "$carry_dir/calls" -name 'vllm-carry.tar.part-*' -printf '  %s %p\n' | sort -k2 \
-  | awk '{printf "  %8.2f MiB  %s\n", $1 / 1048576, $2}'

@@ -53,7 +53,7 @@
 #   fca-quick      the forest decode benchmark without its tuning sweep   (~1.5 min)
 #   headline       the README's headline rows again: python benchmarks/run.py --quick (pack/unpack, tree attention
 #                  quick, forest decode quick, ZoRRO dense, fused kernels; each benchmark's JSON + PNG)  (~8 min)
-# Stages with vLLM (after scripts/unpack_vllm_carry.sh installed it into /tmp/site and .whl holds the project's
+# Stages with vLLM (after scripts/unpack_carry.sh installed it into /tmp/site and .whl holds the project's
 # wheels; the two-call procedure is in docs/gpu.md):
 #   fca-vllm       FCA inside vLLM vs vLLM's default decode, every row and the exactness engines
 #                  (benchmarks/fca_vllm.py; ARCTIC_FCA_VLLM_ARGS: extra arguments such as "--rows ... --skip-exactness";
