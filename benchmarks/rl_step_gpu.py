@@ -45,7 +45,9 @@ Ray 2.60 (its Java jars and source maps removed to fit), DeepSpeed 0.19.8 (``DS_
 hjson and pydantic, TRL 1.16 with accelerate and datasets, and this repository's packages. No model hub is used.
 
     python benchmarks/rl_step_gpu.py                         # one GPU, the 4B shape, ~30 minutes
-    python benchmarks/rl_step_gpu.py --variants colocated --steps 3
+    python benchmarks/rl_step_gpu.py --model 1.7b --variants colocated --steps 3 --trl-python ''   # ours, H100
+    python benchmarks/rl_step_gpu.py --model 1.7b --variants --steps 3                            # TRL's side
+    python benchmarks/rl_step_gpu.py --merge A/rl_step_gpu.json B/rl_step_gpu.json --out benchmarks/results
     python benchmarks/rl_step_gpu.py --cpu-smoke             # CPU, tiny model, one split variant: checks the script
 """
 
@@ -119,8 +121,25 @@ class StepShape:
         return self.prompts * self.group
 
 
-def gpu_shape() -> StepShape:
-    model = {**QWEN3_4B, "vocab_size": BYTE_VOCABULARY, "tie_word_embeddings": False, "max_position_embeddings": 16384}
+# Qwen3-1.7B's layer shape: the 4B trainer (bf16 weights, fp32 master weights and AdamW moments, ~72 GB, plus the
+# checkpointed activations of a 131k-token stream) does not fit an 80 GB H100 beside anything; 1.7B does.
+QWEN3_1_7B: dict[str, Any] = {
+    **QWEN3_4B,
+    "num_hidden_layers": 28,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "intermediate_size": 6144,
+}
+MODELS: dict[str, dict[str, Any]] = {"4b": QWEN3_4B, "1.7b": QWEN3_1_7B}
+
+
+def gpu_shape(model_name: str = "4b") -> StepShape:
+    model = {
+        **MODELS[model_name],
+        "vocab_size": BYTE_VOCABULARY,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 16384,
+    }
     return StepShape(prompts=8, group=16, prompt_tokens=8192, response_tokens=512, model=model)
 
 
@@ -464,21 +483,68 @@ def start_ray(attempts: int = 3) -> None:
             ray.shutdown()
 
 
+def merge_runs(paths: list[Path]) -> dict[str, Any]:
+    """One report from runs split over device calls (e.g. ours in one, TRL's in the next): the same shape and
+    settings, each side's rows from the last run that has them."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    shapes = {json.dumps(run["settings"]["shape"], sort_keys=True) for run in runs}
+    if len(shapes) != 1:
+        raise SystemExit(f"--merge: the runs have different shapes ({len(shapes)}); merge runs of one --model only.")
+    merged: dict[str, Any] = {**runs[-1], "rows": [], "runs": {}}
+    sides_seen: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            sides_seen.setdefault(row["side"], [])
+        for side in dict.fromkeys(row["side"] for row in run["rows"]):
+            sides_seen[side] = [row for row in run["rows"] if row["side"] == side]
+        merged["runs"].update(run["runs"])
+    merged["rows"] = [row for rows in sides_seen.values() for row in rows]
+    merged["meta"] = {**runs[-1]["meta"], "merged_from": [run["meta"] for run in runs]}
+    return merged
+
+
+def report(result: dict[str, Any], out: Path, headline: str) -> None:
+    """Sides, summary, JSON and PNG from ``result``'s rows (fills ``sides`` and ``summary``)."""
+    rows, ideal = result["rows"], result["ideal_phases"]
+    sides = {
+        name: side_summary([row for row in rows if row["side"] == name])
+        for name in dict.fromkeys(row["side"] for row in rows)
+    }
+    result["sides"] = sides
+    result["summary"] = summarize(sides, ideal, headline)
+    (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, sides, ideal, out / f"{NAME}.png")
+    columns = ["trajectories_per_s", "step_seconds", "reward_first", "reward_last"]
+    print_table(
+        [{"side": name, **{key: side[key] for key in columns}} for name, side in sides.items()], ["side", *columns]
+    )
+    print(json.dumps(result["summary"], indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="*", choices=sorted(VARIANTS), default=list(VARIANTS), help="ours; none: TRL's side only"
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="4b", help="layer shape (1.7b fits an 80 GB card)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, help="no GPU: join runs' JSON into one report")
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl and vLLM ('' skips TRL)")
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, split variants, no TRL: checks")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.merge:
+        out = args.out or default_out_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        report(merge_runs(args.merge), out, headline="colocated")
+        return 0
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     if not cuda and not args.cpu_smoke:
         parser.error("no GPU is visible: run on a GPU machine, or pass --cpu-smoke to check the script on the CPU.")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is warm-up).")
-    shape = smoke_shape() if args.cpu_smoke else gpu_shape()
+    shape = smoke_shape() if args.cpu_smoke else gpu_shape(args.model)
     variants = list(SMOKE_VARIANTS.values()) if args.cpu_smoke else [VARIANTS[name] for name in args.variants]
     steps = 2 if args.cpu_smoke else args.steps
     settings = run_settings(shape, steps, args.lr)
@@ -510,36 +576,24 @@ def main(argv: list[str] | None = None) -> int:
             trl = run_trl(model_dir, settings, shape, args.trl_python, Path(scratch))
             rows += trl.pop("rows", [])
             runs["trl"] = trl
-    sides = {
-        name: side_summary([row for row in rows if row["side"] == name])
-        for name in dict.fromkeys(row["side"] for row in rows)
-    }
     headline = "colocated" if not args.cpu_smoke else "split"
-    summary = summarize(sides, ideal, headline)
     meta = run_metadata()
     meta["note"] = "CPU smoke run: checks the script, not a result" if args.cpu_smoke else "GPU run"
     result = {
         "meta": meta,
         "settings": {
             "shape": asdict(shape),
+            "model": "tiny" if args.cpu_smoke else args.model,
             "ours": asdict(settings),
             "trl": trl_gpu_config(settings, shape),
             "rates": rates,
             "goals": {"vs_trl_speedup": GOAL_SPEEDUP, "sync_and_sleep_share": GOAL_SYNC_AND_SLEEP_SHARE},
         },
         "ideal_phases": ideal,
-        "sides": sides,
         "runs": runs,
-        "summary": summary,
         "rows": rows,
     }
-    (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, sides, ideal, out / f"{NAME}.png")
-    columns = ["trajectories_per_s", "step_seconds", "reward_first", "reward_last"]
-    print_table(
-        [{"side": name, **{key: side[key] for key in columns}} for name, side in sides.items()], ["side", *columns]
-    )
-    print(json.dumps(summary, indent=1))
+    report(result, out, headline)
     return 0
 
 

@@ -89,3 +89,35 @@ def test_cpu_smoke_runs_each_phase_through_the_engines(tmp_path: Path) -> None:
     assert summary["headline_variant"] == "split" and 0 < summary["sync_and_sleep_share"] < 1
     assert summary["ideal_fraction"] > 0 and "vs_trl_speedup" not in summary
     assert (tmp_path / "rl_step_gpu.png").stat().st_size > 10_000
+
+
+def _run(side: str, rewards: list[float], model: dict[str, int]) -> dict[str, object]:
+    phases = dict.fromkeys(rl_step_gpu.PHASES, 1.0)
+    rows = [
+        {"side": side, "step": step, "reward": reward, "trajectories": 128, "seconds": 5.0, "phases": phases}
+        for step, reward in enumerate(rewards)
+    ]
+    return {
+        "meta": {"commit": side},
+        "settings": {"shape": {"model": model}},
+        "ideal_phases": dict.fromkeys(rl_step_gpu.PHASES, 0.5),
+        "runs": {side: {"setup_seconds": 1.0}},
+        "rows": rows,
+    }
+
+
+def test_merge_joins_ours_and_trls_runs_from_separate_calls(tmp_path: Path) -> None:
+    ours, trl = tmp_path / "ours.json", tmp_path / "trl.json"
+    ours.write_text(json.dumps(_run("colocated", [0.4, 0.5, 0.6], {"hidden_size": 2048})))
+    trl.write_text(json.dumps(_run("trl", [0.4, 0.45], {"hidden_size": 2048})))
+    assert rl_step_gpu.main(["--merge", str(ours), str(trl), "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "rl_step_gpu.json").read_text())
+    assert [row["side"] for row in merged["rows"]] == ["colocated"] * 3 + ["trl"] * 2
+    assert merged["runs"].keys() == {"colocated", "trl"}
+    # Both sides: 128 trajectories in 5 s per step after the first.
+    assert merged["summary"]["vs_trl_speedup"] == pytest.approx(1.0)
+    assert merged["sides"]["colocated"]["reward_last"] == 0.6
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_run("trl", [0.4, 0.45], {"hidden_size": 2560})))
+    with pytest.raises(SystemExit, match="different shapes"):
+        rl_step_gpu.main(["--merge", str(ours), str(other), "--out", str(tmp_path / "bad")])
