@@ -48,7 +48,7 @@ def _planner(batch: Any, num_heads: int, on_cpu: bool = False, **knobs: int) -> 
     num_blocks, block_size, num_kv_heads, head_dim = batch.key_cache.shape
     spec = SimpleNamespace(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=torch.float32)
     planner = ForestPlanner(spec, ["layer.0"], vllm_config=None, on_cpu=on_cpu)  # type: ignore[arg-type]
-    planner.config = FcaConfig(enabled=True, **knobs)
+    planner.config = FcaConfig(enable=True, **knobs)
     planner.grouping = planner.config.grouping()
     impl = SimpleNamespace(num_heads=num_heads, attn_type="decoder", sliding_window=(-1, -1), alibi_slopes=None)
     planner._layers = {"layer.0": SimpleNamespace(impl=impl, kv_cache=torch.empty(num_blocks, 1))}
@@ -149,7 +149,7 @@ def test_captured_batch_size_keeps_one_static_plan_for_every_later_step() -> Non
         make_decode_batch([50], [[1, 2, 30, 4, 5, 6]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=9),
     )
     planner = _planner(first, num_heads=8)
-    planner.config = type(planner.config)(enabled=True, log_interval=1000)
+    planner.config = type(planner.config)(enable=True, log_interval=1000)
     captured = planner.plan(_padded_metadata(capture, 8), capturing=True)
     assert captured is not None and captured.persistent and list(planner.static_plans) == [(8, 1)]
     reset_stats()

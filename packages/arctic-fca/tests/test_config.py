@@ -80,6 +80,31 @@ def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_register_is_a_no_op_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ARCTIC_FCA", raising=False)
-    arctic_fca.register()
-    arctic_fca.register()
+    import sys
+
+    from arctic_fca import plugin
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    # vLLM made unimportable: registering would have to import it, so an attempt fails loudly here.
+    for name in [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    for switch in (None, "0", "false"):
+        if switch is None:
+            monkeypatch.delenv("ARCTIC_FCA", raising=False)
+        else:
+            monkeypatch.setenv("ARCTIC_FCA", switch)
+        arctic_fca.register()
+        arctic_fca.register()
+        assert not plugin._registered
+    # The same call with the switch on does reach vLLM (so the calls above would have failed had they tried).
+    monkeypatch.setenv("ARCTIC_FCA", "1")
+    with pytest.raises(ImportError, match=r"arctic-fca\[vllm\]"):
+        arctic_fca.register()
+    assert not plugin._registered
+
+
+def test_enabled_is_the_deprecated_name_of_enable() -> None:
+    with pytest.warns(DeprecationWarning, match="renamed FcaConfig.enable"):
+        assert FcaConfig(enable=True).enabled
+    assert "enabled" not in repr(FcaConfig())

@@ -73,7 +73,7 @@ def saved(engine: TrainingEngine, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def _state(engine: TrainingEngine) -> dict[str, Any]:
-    optimizer = engine.deepspeed_engine.optimizer.state_dict()
+    optimizer = engine._engine.optimizer.state_dict()
     return {
         "weights": full_parameters(engine),
         "optimizer": _tensors(optimizer),

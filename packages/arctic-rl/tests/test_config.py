@@ -223,14 +223,15 @@ def test_fca_section_mirrors_fca_config_through_the_environment(monkeypatch: pyt
         monkeypatch.setenv(name, value)
     fca_config = pytest.importorskip("arctic_fca.config")
     parsed = fca_config.FcaConfig.from_env()
-    assert parsed.enabled
+    assert parsed.enable
     for name in FcaSection.model_fields:
         if name != "enable":
             assert getattr(parsed, name) == getattr(section, name)
     from dataclasses import fields
 
-    assert {field.name for field in fields(fca_config.FcaConfig)} - {"enabled"} == set(FcaSection.model_fields) - {
-        "enable"
+    # One schema: the same knobs under the same names with the same defaults.
+    assert {field.name: field.default for field in fields(fca_config.FcaConfig)} == {
+        name: field.default for name, field in FcaSection.model_fields.items()
     }
 
 

@@ -416,33 +416,3 @@ def test_any_split_gives_the_same_loss_and_gradient(
     assert split_metrics == pytest.approx(whole_metrics, rel=1e-12, abs=1e-12)
     torch.testing.assert_close(split_grad, whole_grad, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(split_entropy_grad, whole_entropy_grad, rtol=1e-12, atol=1e-14)
-
-
-def test_inputs_from_a_padded_batch() -> None:
-    batch = {
-        "old_log_probs": f64([-1.1, -1.5]),
-        "advantages": f64([1.0, 1.0]),
-        "response_mask": torch.ones(1, 2, dtype=torch.long),
-        "ref_log_prob": f64([-1.5, -1.0]),
-        "rollout_log_probs": f64([-2.0, -1.4]),
-    }
-    log_probs = f64([-1.0, -2.0]).requires_grad_()
-    inputs = LossInputs.from_batch(batch, log_probs, global_tokens=2.0, global_sequences=1.0)
-    assert inputs.max_response_length == 2
-    assert inputs.ref_log_probs is not None and torch.equal(inputs.ref_log_probs, batch["ref_log_prob"])
-    assert inputs.rollout_log_probs is not None
-    direct, _ = run(
-        "grpo",
-        {"kl_coef": 0.1, "tis_cap": 2.0},
-        ref_log_probs=batch["ref_log_prob"],
-        rollout_log_probs=batch["rollout_log_probs"],
-    )
-    assert get_loss_fn("grpo")(inputs, {"kl_coef": 0.1, "tis_cap": 2.0}).loss.item() == direct.loss.item()
-    without = LossInputs.from_batch(
-        {k: v for k, v in batch.items() if k != "ref_log_prob"},
-        log_probs,
-        global_tokens=2.0,
-        global_sequences=1.0,
-        max_response_length=5,
-    )
-    assert without.ref_log_probs is None and without.max_response_length == 5

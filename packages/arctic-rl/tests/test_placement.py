@@ -6,7 +6,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arctic_rl.placement import NodeResources, PlacementError, PlacementRequest, plan_placement
+from arctic_rl.placement import (
+    NodeResources,
+    PlacementError,
+    PlacementPlan,
+    PlacementRequest,
+    Role,
+    WorkerSlot,
+    plan_placement,
+)
+
+
+def workers_for(plan: PlacementPlan, role: Role) -> list[WorkerSlot]:
+    """One engine's workers, by rank."""
+    return sorted((w for w in plan.workers if w.role == role), key=lambda w: w.rank)
 
 
 def nodes(count: int, gpus: int, cpus: float = 64.0) -> list[NodeResources]:
@@ -20,9 +33,9 @@ def check_invariants(request: PlacementRequest, cluster: list[NodeResources]) ->
     by_id = {node.node_id: node for node in cluster}
     assert len({group.node_id for group in plan.groups}) == len(plan.groups), "one group per node"
     # Every worker of every engine exactly once, ranks 0..n-1.
-    assert [w.rank for w in plan.workers_for("training")] == list(range(request.training_devices))
-    assert [w.rank for w in plan.workers_for("log_prob")] == list(range(request.log_prob_devices))
-    assert [w.rank for w in plan.workers_for("sampling")] == list(range(request.sampling_replicas))
+    assert [w.rank for w in workers_for(plan, "training")] == list(range(request.training_devices))
+    assert [w.rank for w in workers_for(plan, "log_prob")] == list(range(request.log_prob_devices))
+    assert [w.rank for w in workers_for(plan, "sampling")] == list(range(request.sampling_replicas))
     resource = "GPU" if request.device == "cuda" else "CPU"
     claims: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: {"GPU": 0.0, "CPU": 0.0})
     for worker in plan.workers:
@@ -85,8 +98,8 @@ def test_layouts_fill_the_cluster(layout: tuple[int, int], colocate: bool, tp: i
 def test_split_keeps_training_ranks_together_and_tp_groups_inside_nodes() -> None:
     request = PlacementRequest(training_devices=8, sampling_devices=8, tensor_parallel_size=4)
     plan = plan_placement(request, nodes(2, 8))
-    assert len({w.node_id for w in plan.workers_for("training")}) == 1
-    sampling = plan.workers_for("sampling")
+    assert len({w.node_id for w in workers_for(plan, "training")}) == 1
+    sampling = workers_for(plan, "sampling")
     assert len(sampling) == 2 and {w.num_gpus for w in sampling} == {4.0}
 
 
@@ -104,7 +117,7 @@ def test_colocated_shares_each_gpu_between_the_engines() -> None:
 def test_cpu_machine_places_the_same_counts_as_small_cpu_claims() -> None:
     request = PlacementRequest(training_devices=2, sampling_devices=1, device="cpu", cpus_per_cpu_worker=0.25)
     plan = plan_placement(request, [NodeResources(node_id="a" * 56, address="127.0.0.1", gpus=0, cpus=2.0)])
-    assert len(plan.workers_for("training")) == 2 and len(plan.workers_for("sampling")) == 1
+    assert len(workers_for(plan, "training")) == 2 and len(workers_for(plan, "sampling")) == 1
     assert all(w.num_gpus == 0 and w.num_cpus == 0.25 for w in plan.workers)
     colocated = plan_placement(
         PlacementRequest(training_devices=2, sampling_devices=2, device="cpu", colocate=True),

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arctic_rl.config import ArcticRLClientConfig
+from arctic_rl.engines.environment import DEFAULT_CPU_KV_CACHE_GIB, cpu_kv_cache_space, engine_environment
 from arctic_rl.engines.sampling import _prepare_environment, vllm_engine_arguments
 from arctic_rl.engines.weight_transfer import (
     GLOO_BACKEND,
@@ -117,16 +118,35 @@ def test_engine_arguments_the_engine_owns_are_refused(key: str) -> None:
 
 def test_environment_for_vllm_and_fca(monkeypatch: pytest.MonkeyPatch) -> None:
     config = _cpu_config(sampling={"kv_cache_space_gib": 1.5}, fca={"enable": True, "min_group_size": 3})
+    expected = engine_environment(config, "sampling")
     # monkeypatch restores every variable _prepare_environment sets.
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", *config.fca.environment()):
+    for name in expected:
         monkeypatch.delenv(name, raising=False)
     _prepare_environment(config)
+    # The in-process engine writes exactly what its actor's runtime_env carries.
+    assert {name: os.environ[name] for name in expected} == expected
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"  # whole GiB, rounded up
     from arctic_fca import FcaConfig
 
     fca = FcaConfig.from_env()
-    assert fca.enabled and fca.min_group_size == 3
+    assert fca.enable and fca.min_group_size == 3
+    # FCA off is written too: an inherited ARCTIC_FCA=1 must not turn the backend on.
+    monkeypatch.setenv("ARCTIC_FCA", "1")
+    _prepare_environment(_cpu_config())
+    assert not FcaConfig.from_env().enable
+
+
+def test_cpu_kv_cache_size_is_rounded_up_to_whole_gib() -> None:
+    assert [cpu_kv_cache_space(gib) for gib in (0.25, 1, 1.0, 1.5, 2.0001, 7)] == ["1", "1", "1", "2", "3", "7"]
+    assert cpu_kv_cache_space(None) == str(DEFAULT_CPU_KV_CACHE_GIB)
+    with pytest.raises(ValueError, match="kv_cache_space_gib"):
+        cpu_kv_cache_space(0.0)
+    # The actors' environment and the engine's own use the same conversion.
+    for gib in (None, 0.5, 1.5, 3):
+        config = _cpu_config(sampling={"kv_cache_space_gib": gib})
+        assert engine_environment(config, "sampling")["VLLM_CPU_KVCACHE_SPACE"] == cpu_kv_cache_space(gib)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine_environment(_cpu_config(), "training")
 
 
 def test_sync_client_maps_vllm_protocol_onto_the_sampler_methods() -> None:

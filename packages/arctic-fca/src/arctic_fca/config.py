@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, fields
 
 from arctic_dedup.forest import ForestGrouping
@@ -32,8 +33,12 @@ def is_active() -> bool:
 class FcaConfig:
     """Forest Cascade Attention settings (environment variable ``ARCTIC_FCA_<KNOB>`` in upper case for each knob).
 
+    The names are arctic-rl's ``FcaSection``'s (``fca={...}`` in its client config), which writes these variables;
+    :meth:`grouping` is the one translation into arctic-dedup's kernel-level ``ForestGrouping``.
+
     Attributes:
-        enabled: ``ARCTIC_FCA=1`` registers the backend when vLLM loads its plugins; off by default.
+        enable: ``ARCTIC_FCA=1`` registers the backend when vLLM loads its plugins; off by default.
+            (Reading ``enabled``, its earlier name, still works with a ``DeprecationWarning``.)
         max_query_len: a step whose requests have more query tokens than this (a prefill, or a long speculative
             draft) runs vLLM's standard attention for the whole batch.
         min_group_size: fewest requests that must share a prefix for it to be read once for all of them.
@@ -46,7 +51,7 @@ class FcaConfig:
             the device in a batch at that point, since reading them waits for the device).
     """
 
-    enabled: bool = False
+    enable: bool = False
     max_query_len: int = 1
     min_group_size: int = 2
     min_additional_prefix_blocks: int = 1
@@ -64,6 +69,12 @@ class FcaConfig:
             )
         self.grouping()
 
+    @property
+    def enabled(self) -> bool:
+        """Deprecated: ``enable``, the name arctic-rl's ``fca`` section uses."""
+        warnings.warn("FcaConfig.enabled is renamed FcaConfig.enable.", DeprecationWarning, stacklevel=2)
+        return self.enable
+
     def grouping(self) -> ForestGrouping:
         """The kernel-level grouping rules these knobs stand for."""
         return ForestGrouping(
@@ -76,9 +87,9 @@ class FcaConfig:
     @classmethod
     def from_env(cls) -> FcaConfig:
         """Read ``ARCTIC_FCA`` and ``ARCTIC_FCA_<KNOB>``; unset variables keep the defaults."""
-        values: dict[str, object] = {"enabled": os.environ.get(ENABLE_VARIABLE, "0").strip().lower() in ("1", "true")}
+        values: dict[str, object] = {"enable": os.environ.get(ENABLE_VARIABLE, "0").strip().lower() in ("1", "true")}
         for field in fields(cls):
-            if field.name == "enabled":
+            if field.name == "enable":
                 continue
             variable = f"{ENABLE_VARIABLE}_{field.name.upper()}"
             raw = os.environ.get(variable)

@@ -52,7 +52,7 @@ def register() -> None:
     """
     global _registered
     config = FcaConfig.from_env()
-    if not config.enabled:
+    if not config.enable:
         return
     with _lock:
         if _registered:

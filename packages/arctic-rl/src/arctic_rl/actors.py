@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from arctic_rl.engines.environment import engine_environment
 from arctic_rl.errors import ArcticRLError, EngineDiedError, EngineError
 
 if TYPE_CHECKING:
@@ -55,26 +56,6 @@ def _load_class(path: str) -> type:
     if not class_name:
         raise ValueError(f"an engine class is written 'module:Class', got {path!r}.")
     return getattr(importlib.import_module(module_name), class_name)  # type: ignore[no-any-return]
-
-
-def engine_environment(config: ArcticRLClientConfig, role: Role, slot: WorkerSlot | None = None) -> dict[str, str]:
-    """Environment variables the role's engine needs before its libraries are imported."""
-    environment = {"TOKENIZERS_PARALLELISM": "false"}
-    cpu = config.resolved_device() == "cpu"
-    if role in ("training", "log_prob") and cpu:
-        environment["DS_ACCELERATOR"] = "cpu"
-    if role == "sampling":
-        if cpu:
-            # In-process engine: the CPU build cannot pass tensors to a separate engine process (facts.md).
-            environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            space = config.sampling.kv_cache_space_gib
-            environment["VLLM_CPU_KVCACHE_SPACE"] = str(int(space) if space is not None and space >= 1 else 1)
-        elif slot is not None and len(slot.bundle_indices) > 1:
-            # A colocated tensor-parallel replica spreads its vLLM workers over the bundles of its devices.
-            environment["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(index) for index in slot.bundle_indices)
-        if config.fca.enable:
-            environment.update(config.fca.environment())
-    return environment
 
 
 class EngineActor:

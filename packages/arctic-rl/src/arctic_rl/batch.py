@@ -29,10 +29,8 @@ __all__ = [
     "REQUIRED_KEYS",
     "batch_size",
     "build_grpo_batch",
-    "concat_batches",
     "grpo_advantages",
     "select_rows",
-    "split_rows",
     "validate_batch",
 ]
 
@@ -396,19 +394,3 @@ def select_rows(batch: Mapping[str, torch.Tensor], rows: Sequence[int] | torch.T
     if index.numel() and (int(index.min()) < -size or int(index.max()) >= size):
         raise IndexError(f"row indices must be in [0, {size}), got {index.tolist()}.")
     return {key: value.index_select(0, index.to(value.device) % size) for key, value in batch.items()}
-
-
-def split_rows(batch: Mapping[str, torch.Tensor], parts: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
-    """One sub-batch per list of rows in ``parts`` (e.g. a data-parallel rank's or a micro-batch's rows)."""
-    return [select_rows(batch, rows) for rows in parts]
-
-
-def concat_batches(batches: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Rows of several batches with the same keys and widths, stacked in order (the inverse of ``split_rows``)."""
-    if not batches:
-        raise ValueError("concat_batches needs at least one batch.")
-    keys = set(batches[0])
-    for position, batch in enumerate(batches):
-        if set(batch) != keys:
-            raise ValueError(f"batch {position} has keys {sorted(batch)}, the first has {sorted(keys)}.")
-    return {key: torch.cat([batch[key] for batch in batches], dim=0) for key in batches[0]}

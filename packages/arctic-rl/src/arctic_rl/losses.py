@@ -90,43 +90,6 @@ class LossInputs:
     global_sequences: float = 0.0
     max_response_length: int = 0
 
-    @classmethod
-    def from_batch(
-        cls,
-        batch: Mapping[str, torch.Tensor],
-        log_probs: torch.Tensor,
-        *,
-        entropy: torch.Tensor | None = None,
-        global_tokens: float,
-        global_sequences: float,
-        max_response_length: int | None = None,
-    ) -> LossInputs:
-        """Inputs for one micro-batch in the padded layout (``arctic_rl.batch``), on ``log_probs``' device.
-
-        Maps the batch keys to the fields (``ref_log_prob`` -> ``ref_log_probs``); ``max_response_length``
-        defaults to the batch's response width R.
-        """
-        device = log_probs.device
-
-        def optional(key: str) -> torch.Tensor | None:
-            value = batch.get(key)
-            return None if value is None else value.to(device)
-
-        return cls(
-            log_probs=log_probs,
-            old_log_probs=batch["old_log_probs"].to(device),
-            advantages=batch["advantages"].to(device),
-            response_mask=batch["response_mask"].to(device),
-            ref_log_probs=optional("ref_log_prob"),
-            rollout_log_probs=optional("rollout_log_probs"),
-            entropy=entropy,
-            global_tokens=global_tokens,
-            global_sequences=global_sequences,
-            max_response_length=(
-                int(batch["response_mask"].shape[1]) if max_response_length is None else max_response_length
-            ),
-        )
-
 
 @dataclass(frozen=True)
 class LossOutput:

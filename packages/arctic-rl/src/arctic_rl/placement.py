@@ -176,10 +176,6 @@ class PlacementPlan:
     groups: tuple[GroupPlan, ...]
     workers: tuple[WorkerSlot, ...]
 
-    def workers_for(self, role: Role) -> tuple[WorkerSlot, ...]:
-        """The workers of one engine, by rank."""
-        return tuple(sorted((w for w in self.workers if w.role == role), key=lambda w: w.rank))
-
 
 @dataclass
 class _NodeFill:

@@ -750,10 +750,6 @@ class RLService:
         self._require_awake("sampling", "reset_prefix_cache()")
         self._call_all(self.sampling, "reset_prefix_cache")
 
-    # ------------------------------------------------------------------------------------------ for tests
-    def engine_pids(self) -> dict[str, int | None]:
-        return {handle.name: handle.pid for handle in self._all_handles()}
-
 
 def start_service(
     config: ArcticRLClientConfig,

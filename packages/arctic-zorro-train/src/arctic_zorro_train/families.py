@@ -92,14 +92,6 @@ class ArchitectureTable:
     # MLP classes (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) whose SwiGLU runs fused when the act is silu.
     mlp_classes: tuple[str, ...] = ()
 
-    @property
-    def is_hybrid(self) -> bool:
-        return self.linear_attention is not None
-
-    @property
-    def is_moe(self) -> bool:
-        return bool(self.router_classes)
-
 
 QWEN3 = ArchitectureTable(name="qwen3", model_types=("qwen3",), attention_classes=("Qwen3Attention",))
 

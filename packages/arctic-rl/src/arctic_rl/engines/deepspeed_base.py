@@ -224,11 +224,6 @@ class DeepSpeedModelEngine:
         return module
 
     @property
-    def deepspeed_engine(self) -> Any:
-        """The ``deepspeed`` engine (for tests and advanced use; the engine's methods keep its state consistent)."""
-        return self._engine
-
-    @property
     def zorro_enabled(self) -> bool:
         return self._zorro
 

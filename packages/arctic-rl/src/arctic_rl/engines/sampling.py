@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from arctic_rl.config import ArcticRLClientConfig
+from arctic_rl.engines.environment import engine_environment
 from arctic_rl.engines.gloo_transfer import register_gloo_engines
 from arctic_rl.engines.weight_transfer import (
     bucket_named_tensors,
@@ -75,12 +76,7 @@ def vllm_engine_arguments(config: ArcticRLClientConfig) -> dict[str, Any]:
 
 def _prepare_environment(config: ArcticRLClientConfig) -> None:
     """vLLM and arctic-fca read these when the engine starts (vLLM's env module caches some at first import)."""
-    # The engine core stays in this process: in-process weight loading, and FCA stats counted where they are read.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if config.sampling.kv_cache_space_gib is not None:
-        # vLLM's CPU build reads whole GiB: a fractional size is rounded up.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.sampling.kv_cache_space_gib)))
-    os.environ.update(config.fca.environment())
+    os.environ.update(engine_environment(config, "sampling"))
 
 
 class SamplingEngine:
