@@ -88,7 +88,7 @@ def test_bad_prompt_shapes_are_refused(prompts: Any, field: str) -> None:
 def test_http_bodies_take_step_numbers_and_token_ids_strictly() -> None:
     from pydantic import ValidationError
 
-    from arctic_rl.http_api import GenerateBody, LoadCheckpointBody, SaveCheckpointBody
+    from arctic_rl.operations import GenerateBody, LoadCheckpointBody, SaveCheckpointBody
 
     for body, fields in (
         (GenerateBody, {"prompts": [[True]], "sampling_params": {}}),

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from arctic_rl import operations
 from arctic_rl.errors import ArcticRLError, ConfigError, EngineError
+from arctic_rl.operations import Operation
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     from arctic_rl.config import ArcticRLClientConfig
 
 __all__ = ["ArcticRLClient", "SyncArcticRLClient", "attach_arctic_rl_client", "create_arctic_rl_client"]
+
+Result = TypeVar("Result")
 
 
 class Transport(Protocol):
@@ -67,7 +71,7 @@ class RayTransport:
 
     async def call(self, op: str, arguments: dict[str, Any]) -> Any:
         try:
-            return await getattr(self._service, op).remote(**arguments)
+            return await self._service.run.remote(op, arguments)
         except Exception as error:
             _raise_from_ray(error)
 
@@ -75,7 +79,7 @@ class RayTransport:
         import ray
 
         try:
-            return ray.get(getattr(self._service, op).remote(**arguments))
+            return ray.get(self._service.run.remote(op, arguments))
         except Exception as error:
             _raise_from_ray(error)
 
@@ -111,11 +115,6 @@ class RayTransport:
             ray.shutdown()
 
 
-def _flags(old_log_probs_from_forward: bool) -> dict[str, Any]:
-    # Sent unless it is the default, so that a server from before the flag still answers the plain call.
-    return {} if old_log_probs_from_forward is False else {"old_log_probs_from_forward": old_log_probs_from_forward}
-
-
 class _ClientBase:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
@@ -129,21 +128,21 @@ class _ClientBase:
 class ArcticRLClient(_ClientBase):
     """Async client: every operation is a coroutine (``await client.generate(...)``); ``async with`` shuts down."""
 
-    async def _run(self, op: str, **arguments: Any) -> Any:
+    async def _run(self, op: Operation[Result], **arguments: Any) -> Result:
         self._check_open()
-        return await self._transport.call(op, arguments)
+        return op.result(await self._transport.call(op.name, op.arguments(arguments)))
 
     async def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]
     ) -> list[list[dict[str, Any]]]:
-        return await self._run("generate", prompts=prompts, sampling_params=sampling_params)  # type: ignore[no-any-return]
+        return await self._run(operations.GENERATE, prompts=prompts, sampling_params=sampling_params)
 
     async def fwd_no_grad(
         self, batch: Mapping[str, Any], reference_model: bool = False, calculate_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
         return await self._run(
-            "fwd_no_grad", batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
-        )  # type: ignore[no-any-return]
+            operations.FWD_NO_GRAD, batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
+        )
 
     async def fwd_bwd(
         self,
@@ -152,10 +151,15 @@ class ArcticRLClient(_ClientBase):
         *,
         old_log_probs_from_forward: bool = False,
     ) -> dict[str, Any]:
-        return await self._run("fwd_bwd", batch=batch, processing=processing, **_flags(old_log_probs_from_forward))  # type: ignore[no-any-return]
+        return await self._run(
+            operations.FWD_BWD,
+            batch=batch,
+            processing=processing,
+            old_log_probs_from_forward=old_log_probs_from_forward,
+        )
 
     async def step(self) -> dict[str, Any]:
-        return await self._run("step")  # type: ignore[no-any-return]
+        return await self._run(operations.STEP)
 
     async def train_step(
         self,
@@ -166,59 +170,61 @@ class ArcticRLClient(_ClientBase):
         sync_weights: bool = False,
     ) -> dict[str, Any]:
         return await self._run(
-            "train_step",
+            operations.TRAIN_STEP,
             batch=batch,
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
             sync_weights=sync_weights,
-        )  # type: ignore[no-any-return]
+        )
 
     async def sync_weights(self) -> dict[str, float]:
-        return await self._run("sync_weights")  # type: ignore[no-any-return]
+        return await self._run(operations.SYNC_WEIGHTS)
 
     async def sleep_inference(self, level: int = 1) -> None:
-        await self._run("sleep_inference", level=level)
+        await self._run(operations.SLEEP_INFERENCE, level=level)
 
     async def wake_inference(self, tags: Sequence[str] | None = None) -> None:
-        await self._run("wake_inference", tags=tags)
+        await self._run(operations.WAKE_INFERENCE, tags=tags)
 
     async def sleep_training(self, mode: str = "all") -> None:
-        await self._run("sleep_training", mode=mode)
+        await self._run(operations.SLEEP_TRAINING, mode=mode)
 
     async def wake_training(self) -> None:
-        await self._run("wake_training")
+        await self._run(operations.WAKE_TRAINING)
 
     async def sleep_log_prob(self) -> None:
-        await self._run("sleep_log_prob")
+        await self._run(operations.SLEEP_LOG_PROB)
 
     async def wake_log_prob(self) -> None:
-        await self._run("wake_log_prob")
+        await self._run(operations.WAKE_LOG_PROB)
 
     async def empty_training_cache(self) -> None:
-        await self._run("empty_training_cache")
+        await self._run(operations.EMPTY_TRAINING_CACHE)
 
     async def reset_prefix_cache(self) -> None:
-        await self._run("reset_prefix_cache")
+        await self._run(operations.RESET_PREFIX_CACHE)
 
     async def save_checkpoint(
         self, path: str | None = None, step: int | None = None, *, keep_last: int | None = None, hf_export: bool = False
     ) -> str:
-        return await self._run("save_checkpoint", path=path, step=step, keep_last=keep_last, hf_export=hf_export)  # type: ignore[no-any-return]
+        return await self._run(
+            operations.SAVE_CHECKPOINT, path=path, step=step, keep_last=keep_last, hf_export=hf_export
+        )
 
     async def load_checkpoint(self, path: str | None = None, step: int | None = None) -> int:
-        return await self._run("load_checkpoint", path=path, step=step)  # type: ignore[no-any-return]
+        return await self._run(operations.LOAD_CHECKPOINT, path=path, step=step)
 
     async def weight_norm(self) -> dict[str, float]:
-        return await self._run("weight_norm")  # type: ignore[no-any-return]
+        return await self._run(operations.WEIGHT_NORM)
 
     async def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
-        return await self._run("log_probs", prompts=prompts, completions=completions)  # type: ignore[no-any-return]
+        return await self._run(operations.LOG_PROBS, prompts=prompts, completions=completions)
 
     async def last_step_metrics(self) -> dict[str, float]:
-        return await self._run("last_step_metrics")  # type: ignore[no-any-return]
+        return await self._run(operations.LAST_STEP_METRICS)
 
     async def describe(self) -> dict[str, Any]:
-        return await self._run("describe")  # type: ignore[no-any-return]
+        return await self._run(operations.DESCRIBE)
 
     async def shutdown(self) -> None:
         """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it
@@ -238,21 +244,21 @@ class ArcticRLClient(_ClientBase):
 class SyncArcticRLClient(_ClientBase):
     """Blocking client: the same operations as ``ArcticRLClient``, returning their results; ``with`` shuts down."""
 
-    def _run(self, op: str, **arguments: Any) -> Any:
+    def _run(self, op: Operation[Result], **arguments: Any) -> Result:
         self._check_open()
-        return self._transport.call_sync(op, arguments)
+        return op.result(self._transport.call_sync(op.name, op.arguments(arguments)))
 
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]
     ) -> list[list[dict[str, Any]]]:
-        return self._run("generate", prompts=prompts, sampling_params=sampling_params)  # type: ignore[no-any-return]
+        return self._run(operations.GENERATE, prompts=prompts, sampling_params=sampling_params)
 
     def fwd_no_grad(
         self, batch: Mapping[str, Any], reference_model: bool = False, calculate_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
         return self._run(
-            "fwd_no_grad", batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
-        )  # type: ignore[no-any-return]
+            operations.FWD_NO_GRAD, batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
+        )
 
     def fwd_bwd(
         self,
@@ -268,10 +274,15 @@ class SyncArcticRLClient(_ClientBase):
         and gradients (up to float rounding) when the batch gets one optimizer update, as in ``fwd_no_grad`` ->
         ``fwd_bwd`` -> ``step``; refused for a model with active dropout.
         """
-        return self._run("fwd_bwd", batch=batch, processing=processing, **_flags(old_log_probs_from_forward))  # type: ignore[no-any-return]
+        return self._run(
+            operations.FWD_BWD,
+            batch=batch,
+            processing=processing,
+            old_log_probs_from_forward=old_log_probs_from_forward,
+        )
 
     def step(self) -> dict[str, Any]:
-        return self._run("step")  # type: ignore[no-any-return]
+        return self._run(operations.STEP)
 
     def train_step(
         self,
@@ -285,59 +296,59 @@ class SyncArcticRLClient(_ClientBase):
         "step": ..., "sync_weights": ... or None}``, each what that call returns (the step's metrics include the
         sync time). Everything is checked before any engine changes state."""
         return self._run(
-            "train_step",
+            operations.TRAIN_STEP,
             batch=batch,
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
             sync_weights=sync_weights,
-        )  # type: ignore[no-any-return]
+        )
 
     def sync_weights(self) -> dict[str, float]:
-        return self._run("sync_weights")  # type: ignore[no-any-return]
+        return self._run(operations.SYNC_WEIGHTS)
 
     def sleep_inference(self, level: int = 1) -> None:
-        self._run("sleep_inference", level=level)
+        self._run(operations.SLEEP_INFERENCE, level=level)
 
     def wake_inference(self, tags: Sequence[str] | None = None) -> None:
-        self._run("wake_inference", tags=tags)
+        self._run(operations.WAKE_INFERENCE, tags=tags)
 
     def sleep_training(self, mode: str = "all") -> None:
-        self._run("sleep_training", mode=mode)
+        self._run(operations.SLEEP_TRAINING, mode=mode)
 
     def wake_training(self) -> None:
-        self._run("wake_training")
+        self._run(operations.WAKE_TRAINING)
 
     def sleep_log_prob(self) -> None:
-        self._run("sleep_log_prob")
+        self._run(operations.SLEEP_LOG_PROB)
 
     def wake_log_prob(self) -> None:
-        self._run("wake_log_prob")
+        self._run(operations.WAKE_LOG_PROB)
 
     def empty_training_cache(self) -> None:
-        self._run("empty_training_cache")
+        self._run(operations.EMPTY_TRAINING_CACHE)
 
     def reset_prefix_cache(self) -> None:
-        self._run("reset_prefix_cache")
+        self._run(operations.RESET_PREFIX_CACHE)
 
     def save_checkpoint(
         self, path: str | None = None, step: int | None = None, *, keep_last: int | None = None, hf_export: bool = False
     ) -> str:
-        return self._run("save_checkpoint", path=path, step=step, keep_last=keep_last, hf_export=hf_export)  # type: ignore[no-any-return]
+        return self._run(operations.SAVE_CHECKPOINT, path=path, step=step, keep_last=keep_last, hf_export=hf_export)
 
     def load_checkpoint(self, path: str | None = None, step: int | None = None) -> int:
-        return self._run("load_checkpoint", path=path, step=step)  # type: ignore[no-any-return]
+        return self._run(operations.LOAD_CHECKPOINT, path=path, step=step)
 
     def weight_norm(self) -> dict[str, float]:
-        return self._run("weight_norm")  # type: ignore[no-any-return]
+        return self._run(operations.WEIGHT_NORM)
 
     def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
-        return self._run("log_probs", prompts=prompts, completions=completions)  # type: ignore[no-any-return]
+        return self._run(operations.LOG_PROBS, prompts=prompts, completions=completions)
 
     def last_step_metrics(self) -> dict[str, float]:
-        return self._run("last_step_metrics")  # type: ignore[no-any-return]
+        return self._run(operations.LAST_STEP_METRICS)
 
     def describe(self) -> dict[str, Any]:
-        return self._run("describe")  # type: ignore[no-any-return]
+        return self._run(operations.DESCRIBE)
 
     def shutdown(self) -> None:
         """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it

@@ -1,17 +1,17 @@
-"""The HTTP API shared by the server and the client: the operations (their request bodies, HTTP methods and
-whether they may be retried), how an arctic-rl error maps to a status and a JSON body, and how a request body
-(JSON, or the wire format of :mod:`arctic_rl.wire`) becomes an operation's keyword arguments. Needs only pydantic.
+"""The HTTP API shared by the server and the client: how an arctic-rl error maps to a status and a JSON body, and
+how a request body (JSON, or the wire format of :mod:`arctic_rl.wire`) becomes an operation's keyword arguments.
+The operations themselves (request bodies, HTTP methods, whether they may be retried) are the table of
+:mod:`arctic_rl.operations`. Needs only pydantic.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import ValidationError
 
 from arctic_rl.errors import (
     ArcticRLError,
@@ -24,6 +24,7 @@ from arctic_rl.errors import (
     MissingDependencyError,
     WireFormatError,
 )
+from arctic_rl.operations import OPERATIONS, Operation
 from arctic_rl.wire import CONTENT_TYPE, decode_message
 from arctic_rl.wire_slots import SLOT_CONTENT_TYPE
 
@@ -51,123 +52,6 @@ ACCEPTED_CONTENT_TYPES = frozenset({JSON_CONTENT_TYPE, CONTENT_TYPE, SLOT_CONTEN
 def media_type(content_type: str) -> str:
     """The media type of a ``Content-Type`` header, lowercase and without parameters (``; charset=...``)."""
     return content_type.split(";")[0].strip().lower()
-
-
-class _Body(BaseModel):
-    # Strict: a request says what it means ("step": "1" or a prompt of [[true]] is refused, not coerced).
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, strict=True)
-
-
-class NoArguments(_Body):
-    """An operation without arguments: an empty body or ``{}``."""
-
-
-class GenerateBody(_Body):
-    # Strict: JSON true or "1" is not a token id (lax pydantic would make them 1).
-    prompts: list[str] | list[list[StrictInt]] = Field(min_length=1, description="Texts, or token-id lists.")
-    sampling_params: dict[str, Any] = Field(description="vLLM SamplingParams field names (n, max_tokens, ...).")
-
-
-class FwdNoGradBody(_Body):
-    batch: dict[str, Any] = Field(description="The padded batch (wire format); see arctic_rl.batch.")
-    reference_model: StrictBool = False
-    calculate_entropy: StrictBool = False
-
-
-class FwdBwdBody(_Body):
-    batch: dict[str, Any] = Field(description="The padded training batch (wire format); see arctic_rl.batch.")
-    processing: dict[str, Any] | None = Field(
-        default=None, description="{'loss_fn': <registered loss name>, 'config': {...}}; None: grpo defaults."
-    )
-    old_log_probs_from_forward: StrictBool = Field(
-        default=False, description="The batch has no old_log_probs: use the training forward's (one update per batch)."
-    )
-
-    @field_validator("processing")
-    @classmethod
-    def _processing_shape(cls, processing: dict[str, Any] | None) -> dict[str, Any] | None:
-        if processing is None:
-            return None
-        unknown = sorted(set(processing) - {"loss_fn", "config"})
-        if unknown:
-            raise ValueError(f"processing accepts the keys 'loss_fn' and 'config', got also {unknown}")
-        if "loss_fn" in processing and not isinstance(processing["loss_fn"], str):
-            raise ValueError(
-                f"processing.loss_fn is a registered loss name (a string), got {type(processing['loss_fn']).__name__}"
-            )
-        if processing.get("config") is not None and not isinstance(processing["config"], dict):
-            raise ValueError(
-                f"processing.config is an object of the loss's fields, got {type(processing['config']).__name__}"
-            )
-        return processing
-
-
-class TrainStepBody(FwdBwdBody):
-    sync_weights: StrictBool = Field(default=False, description="Also sync the trainer's weights to the samplers.")
-
-
-class SleepInferenceBody(_Body):
-    level: Literal[1, 2] = 1
-
-
-class WakeInferenceBody(_Body):
-    tags: list[str] | None = None
-
-
-class SleepTrainingBody(_Body):
-    mode: Literal["all", "weights", "optimizer"] = "all"
-
-
-class SaveCheckpointBody(_Body):
-    path: str | None = Field(default=None, min_length=1, description="A directory on the server; None: config's.")
-    step: StrictInt | None = Field(default=None, ge=0)
-    keep_last: StrictInt | None = Field(default=None, ge=1)
-    hf_export: StrictBool = False
-
-
-class LoadCheckpointBody(_Body):
-    path: str | None = Field(default=None, min_length=1, description="A directory on the server; None: config's.")
-    step: StrictInt | None = Field(default=None, ge=0)
-
-
-class LogProbsBody(_Body):
-    prompts: list[str]
-    completions: list[str]
-
-
-@dataclass(frozen=True)
-class Operation:
-    """One client operation as an endpoint: its body model, whether it changes state, and its answer's encoding."""
-
-    body: type[_Body]
-    method: Literal["GET", "POST"] = "POST"
-    idempotent: bool = False
-    tensors_out: bool = False
-
-
-OPERATIONS: dict[str, Operation] = {
-    "generate": Operation(GenerateBody),
-    "fwd_no_grad": Operation(FwdNoGradBody, idempotent=True, tensors_out=True),
-    "fwd_bwd": Operation(FwdBwdBody),
-    "step": Operation(NoArguments),
-    "train_step": Operation(TrainStepBody),
-    "sync_weights": Operation(NoArguments),
-    "sleep_inference": Operation(SleepInferenceBody),
-    "wake_inference": Operation(WakeInferenceBody),
-    "sleep_training": Operation(SleepTrainingBody),
-    "wake_training": Operation(NoArguments),
-    "sleep_log_prob": Operation(NoArguments),
-    "wake_log_prob": Operation(NoArguments),
-    "empty_training_cache": Operation(NoArguments, idempotent=True),
-    "reset_prefix_cache": Operation(NoArguments, idempotent=True),
-    "save_checkpoint": Operation(SaveCheckpointBody),
-    "load_checkpoint": Operation(LoadCheckpointBody),
-    "weight_norm": Operation(NoArguments, method="GET", idempotent=True),
-    "log_probs": Operation(LogProbsBody, idempotent=True),
-    "last_step_metrics": Operation(NoArguments, method="GET", idempotent=True),
-    "describe": Operation(NoArguments, method="GET", idempotent=True),
-    "shutdown": Operation(NoArguments),
-}
 
 
 def is_loopback(host: str) -> bool:

@@ -55,8 +55,6 @@ if TYPE_CHECKING:
 
 __all__ = ["HttpTransport", "LocalServer", "connect_http"]
 
-# Operations whose arguments carry a batch of tensors: sent in the wire format, everything else as JSON.
-_TENSOR_REQUESTS = frozenset({"fwd_no_grad", "fwd_bwd", "train_step"})
 # A body larger than this is sent in chunks of this size (views, no copies): httpcore re-slices the unsent rest of
 # one large bytes body after every socket write, which copies it again each time (0.03 GB/s at 256 MiB).
 _CHUNK_BYTES = 1 << 20
@@ -245,11 +243,13 @@ class HttpTransport:
     ) -> tuple[str, str, bytes | MessagePlan | None, dict[str, str]]:
         if op not in OPERATIONS:
             raise ConfigError(f"{op!r} is not an operation of the arctic-rl server; use one of {sorted(OPERATIONS)}.")
-        method = OPERATIONS[op].method
+        operation = OPERATIONS[op]
+        method = operation.method
         url = f"{self.url}{API_PREFIX}/{op}"
         if method == "GET":
             return method, url, None, self.headers
-        if op in _TENSOR_REQUESTS:
+        # A batch of tensors travels in the wire format, everything else as JSON.
+        if operation.tensors_in:
             plan = plan_message(arguments, max_bytes=self.max_bytes)
             if self.use_slots and plan.size >= self.settings.shared_memory_min_bytes:
                 return method, url, plan, self.headers

@@ -257,7 +257,7 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
             )
         return arguments_from_message(op, slots.take_message(body, settings.max_request_bytes))
 
-    def add_operation(op: str, operation: Operation) -> None:
+    def add_operation(op: str, operation: Operation[Any]) -> None:
         async def endpoint(request: Request) -> Response:
             try:
                 body = await _read_body(request, settings.max_request_bytes)
@@ -299,7 +299,7 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
         extra = None
         if operation.method == "POST":
             content: dict[str, Any] = {"application/json": {"schema": schema}}
-            if op in ("fwd_no_grad", "fwd_bwd", "train_step"):
+            if operation.tensors_in:
                 content = {CONTENT_TYPE: {"schema": schema}}
             extra = {"requestBody": {"content": content, "required": False}}
         app.add_api_route(

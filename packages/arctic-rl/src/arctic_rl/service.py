@@ -358,6 +358,15 @@ class RLService:
             self._step_metrics[key] = self._step_metrics.get(key, 0.0) + float(value)
 
     # ------------------------------------------------------------------------------------------------- ops
+    def run(self, op: str, arguments: Mapping[str, Any]) -> Any:
+        """Serve one operation of the table (:data:`arctic_rl.operations.OPERATIONS`) with its keyword arguments:
+        the one entry point of the clients' transports."""
+        from arctic_rl.operations import OPERATIONS
+
+        if op not in OPERATIONS:
+            raise InvalidRequestError("op", f"{op!r} is not an arctic-rl operation; use one of {sorted(OPERATIONS)}.")
+        return getattr(self, op)(**arguments)
+
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]) -> Any:
         self._require_open()
         check_prompts_shape(prompts)
