@@ -196,6 +196,9 @@ def tests(session: nox.Session, package: str) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
+        # Fails the session on a skip tests_support/expected_skips.toml does not list (a broken environment).
+        "-p",
+        "expected_skips",
         "--durations=10",
         *session.posargs,
         env=env,
