@@ -113,13 +113,14 @@ class FakeTrainingEngine:
         loss_config: Mapping[str, Any],
         global_tokens: float,
         global_sequences: float,
+        temperature: float = 1.0,
         old_log_probs_from_forward: bool = False,
     ) -> dict[str, Any]:
         self._awake("fwd_bwd")
         if old_log_probs_from_forward == ("old_log_probs" in batch):
             raise AssertionError("the service sends old_log_probs or old_log_probs_from_forward=True, one of the two")
         self.batches_seen.append(int(batch["input_ids"].shape[0]))
-        log_probs = response_log_probs(self.weights, batch)
+        log_probs = response_log_probs(self.weights, batch, temperature)
         advantages = batch["advantages"].to(torch.float64)
         if advantages.dim() == 1:
             advantages = advantages[:, None]
@@ -283,8 +284,9 @@ class FakeSamplingEngine:
             raise EngineStateError("transfer_start before transfer_init", engine=self.name)
         record(self.name, "transfer_start")
 
-    def transfer_update(self, update_info: dict[str, Any]) -> None:
+    def transfer_update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         record(self.name, "transfer_update")
+        assert isinstance(update_info, dict), "the fake trainer sends one update of the whole weights"
         self.weights = update_info["weights"].clone()
 
     def transfer_finish(self) -> None:

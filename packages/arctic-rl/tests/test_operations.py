@@ -143,12 +143,9 @@ def test_the_server_has_one_route_per_operation_that_forwards_its_body() -> None
 def test_the_service_serves_exactly_the_table_with_the_same_parameters() -> None:
     for name, operation in OPERATIONS.items():
         parameters = _parameters(getattr(RLService, name))
-        body = _body_parameters(operation)
-        assert {key: parameters[key][1] for key in body if key in parameters} == body, name
-        # Parameters the table does not list cannot be reached by a client: keyword-only, with a default.
-        for key in set(parameters) - set(body):
-            assert parameters[key][0] is inspect.Parameter.KEYWORD_ONLY, (name, key)
-            assert parameters[key][1] is not inspect.Parameter.empty, (name, key)
+        assert {key: default for key, (_, default) in parameters.items()} == _body_parameters(operation), name
+        # The same parameter kinds as the clients': one call reads the same on both sides of the transport.
+        assert parameters == _parameters(getattr(SyncArcticRLClient, name)), name
     service = RLService(ArcticRLClientConfig(model_name="fake", device="cpu", training_gpus=1, sampling_gpus=1))
     served: list[tuple[str, dict[str, Any]]] = []
     for name in OPERATIONS:
@@ -158,3 +155,26 @@ def test_the_service_serves_exactly_the_table_with_the_same_parameters() -> None
     assert served == [(name, _arguments(operation)) for name, operation in OPERATIONS.items()]
     with pytest.raises(InvalidRequestError, match="not an arctic-rl operation"):
         service.run("dead_engines", {})
+
+
+def test_a_temperature_other_than_1_travels_from_the_client_through_http_to_the_service() -> None:
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from arctic_rl.serve import ServerSettings, create_app
+
+    transport = RecordingTransport()
+    client = SyncArcticRLClient(transport)
+    client.fwd_no_grad({"input_ids": [[1]]}, temperature=0.7)
+    client.fwd_bwd({"input_ids": [[1]]}, temperature=0.7)
+    client.train_step({"input_ids": [[1]]}, temperature=0.7)
+    client.log_probs(["a"], ["b"], temperature=0.7)
+    assert [arguments["temperature"] for _, arguments in transport.calls] == [0.7] * 4
+    server_side = RecordingTransport()
+    app = create_app(SyncArcticRLClient(server_side), ServerSettings(shared_memory=False))
+    with TestClient(app, base_url="http://127.0.0.1:7000") as http:
+        for op, arguments in transport.calls[1:]:
+            assert http.post(f"{API_PREFIX}/{op}", json=arguments).status_code == 200, op
+        refused = http.post(f"{API_PREFIX}/fwd_bwd", json={"batch": {}, "temperature": 0})
+        assert refused.status_code == 422 and "temperature" in refused.json()["message"]
+    assert server_side.calls == transport.calls[1:]

@@ -209,6 +209,18 @@ def test_train_step_is_fwd_bwd_step_and_sync_in_one_call(local_ray: None) -> Non
             client.train_step(batch, sync_weights=True)
         client.wake_inference()
         assert client.weight_norm() == norms and client.describe()["step"] == 3
+        # A sampling temperature reaches the trainer's log-prob computations: its forward and its loss.
+        weights = reference.clone().requires_grad_(True)
+        (-(batch["advantages"].double() * response_log_probs(weights, batch) * mask).sum() / mask.sum()).backward()
+        trained = (reference - LR * weights.grad).detach()
+        scored = client.fwd_no_grad(batch, temperature=0.7)["logprobs"]
+        torch.testing.assert_close(scored, response_log_probs(trained, batch, 0.7), rtol=0, atol=1e-12)
+        assert not torch.allclose(scored, client.fwd_no_grad(batch)["logprobs"])
+        result = client.fwd_bwd(batch, temperature=0.7)
+        expected = -(batch["advantages"].double() * response_log_probs(trained, batch, 0.7) * mask).sum() / mask.sum()
+        assert result["loss"] == pytest.approx(float(expected), rel=1e-12, abs=1e-12)
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            client.fwd_bwd(batch, temperature=0.0)
 
 
 @pytest.mark.slow

@@ -249,10 +249,6 @@ def rollout_and_update_through_verl(connected: dict[str, Any]) -> None:
 def test_what_a_remote_engine_cannot_do_is_refused_with_the_alternative() -> None:
     # Refused before any call reaches a server: this engine is never connected.
     engine = ArcticTrainingEngine(model_config={"path": "unused"}, engine_config={})
-    hot = tu.get_tensordict({"input_ids": torch.ones(1, 2, dtype=torch.long)})
-    tu.assign_non_tensor(hot, temperature=0.7)
-    with pytest.raises(NotImplementedError, match=r"rollout\.temperature=1\.0"):
-        engine.infer_batch(hot)
     with pytest.raises(NotImplementedError, match="sync_weights"):
         engine.get_per_tensor_param()
     with pytest.raises(NotImplementedError, match="register the loss on the server"):
@@ -261,3 +257,28 @@ def test_what_a_remote_engine_cannot_do_is_refused_with_the_alternative() -> Non
         engine.load_checkpoint("/tmp/anywhere")
     with pytest.raises(NotImplementedError, match="LoRA"):
         engine.disable_adapter()
+
+
+def test_verls_rollout_temperature_reaches_the_trainers_log_probs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl scales the logits by its rollout temperature: the client's fwd_no_grad and fwd_bwd get the same one."""
+    import arctic_rl.integrations.verl as plugin
+    from arctic_rl.client import SyncArcticRLClient
+
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    class RecordingTransport:
+        def call_sync(self, op: str, arguments: dict[str, Any]) -> Any:
+            sent.append((op, arguments))
+            return {"logprobs": torch.zeros(1, 2)} if op == "fwd_no_grad" else {"loss": 0.5, "metrics": {}}
+
+    # The layout mapping is tested in test_verl_mapping.py; here only what reaches the client matters.
+    monkeypatch.setattr(plugin, "to_client_batch", lambda data, training: {"input_ids": "mapped"})
+    monkeypatch.setattr(plugin, "to_verl_token_values", lambda values, data: values)
+    engine = ArcticTrainingEngine(model_config={"path": "unused"}, engine_config={})
+    engine._client = SyncArcticRLClient(RecordingTransport())  # type: ignore[arg-type]
+    data = tu.get_tensordict({"input_ids": torch.ones(1, 2, dtype=torch.long)})
+    tu.assign_non_tensor(data, temperature=0.7)
+    engine.forward_backward_batch(data, None, forward_only=True)
+    actor = ActorConfig(strategy="arctic", rollout_n=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1)
+    engine.forward_backward_batch(data, functools.partial(ppo_loss, config=actor))
+    assert [(op, arguments["temperature"]) for op, arguments in sent] == [("fwd_no_grad", 0.7), ("fwd_bwd", 0.7)]

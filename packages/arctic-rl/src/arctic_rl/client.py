@@ -138,10 +138,19 @@ class ArcticRLClient(_ClientBase):
         return await self._run(operations.GENERATE, prompts=prompts, sampling_params=sampling_params)
 
     async def fwd_no_grad(
-        self, batch: Mapping[str, Any], reference_model: bool = False, calculate_entropy: bool = False
+        self,
+        batch: Mapping[str, Any],
+        reference_model: bool = False,
+        calculate_entropy: bool = False,
+        *,
+        temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         return await self._run(
-            operations.FWD_NO_GRAD, batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
+            operations.FWD_NO_GRAD,
+            batch=batch,
+            reference_model=reference_model,
+            calculate_entropy=calculate_entropy,
+            temperature=temperature,
         )
 
     async def fwd_bwd(
@@ -150,12 +159,14 @@ class ArcticRLClient(_ClientBase):
         processing: Mapping[str, Any] | None = None,
         *,
         old_log_probs_from_forward: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, Any]:
         return await self._run(
             operations.FWD_BWD,
             batch=batch,
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
+            temperature=temperature,
         )
 
     async def step(self) -> dict[str, Any]:
@@ -168,6 +179,7 @@ class ArcticRLClient(_ClientBase):
         *,
         old_log_probs_from_forward: bool = False,
         sync_weights: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, Any]:
         return await self._run(
             operations.TRAIN_STEP,
@@ -175,6 +187,7 @@ class ArcticRLClient(_ClientBase):
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
             sync_weights=sync_weights,
+            temperature=temperature,
         )
 
     async def sync_weights(self) -> dict[str, float]:
@@ -217,8 +230,10 @@ class ArcticRLClient(_ClientBase):
     async def weight_norm(self) -> dict[str, float]:
         return await self._run(operations.WEIGHT_NORM)
 
-    async def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
-        return await self._run(operations.LOG_PROBS, prompts=prompts, completions=completions)
+    async def log_probs(
+        self, prompts: Sequence[str], completions: Sequence[str], *, temperature: float = 1.0
+    ) -> list[list[float]]:
+        return await self._run(operations.LOG_PROBS, prompts=prompts, completions=completions, temperature=temperature)
 
     async def last_step_metrics(self) -> dict[str, float]:
         return await self._run(operations.LAST_STEP_METRICS)
@@ -254,10 +269,19 @@ class SyncArcticRLClient(_ClientBase):
         return self._run(operations.GENERATE, prompts=prompts, sampling_params=sampling_params)
 
     def fwd_no_grad(
-        self, batch: Mapping[str, Any], reference_model: bool = False, calculate_entropy: bool = False
+        self,
+        batch: Mapping[str, Any],
+        reference_model: bool = False,
+        calculate_entropy: bool = False,
+        *,
+        temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         return self._run(
-            operations.FWD_NO_GRAD, batch=batch, reference_model=reference_model, calculate_entropy=calculate_entropy
+            operations.FWD_NO_GRAD,
+            batch=batch,
+            reference_model=reference_model,
+            calculate_entropy=calculate_entropy,
+            temperature=temperature,
         )
 
     def fwd_bwd(
@@ -266,19 +290,22 @@ class SyncArcticRLClient(_ClientBase):
         processing: Mapping[str, Any] | None = None,
         *,
         old_log_probs_from_forward: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, Any]:
         """Forward and backward of the step's batch; gradients accumulate until ``step()``.
 
         ``old_log_probs_from_forward=True``: skip ``fwd_no_grad``; the trainer uses its own forward's log-probs,
         detached, as the old ones (the batch's ``old_log_probs`` are not needed, and not used if present). The same loss
         and gradients (up to float rounding) when the batch gets one optimizer update, as in ``fwd_no_grad`` ->
-        ``fwd_bwd`` -> ``step``; refused for a model with active dropout.
+        ``fwd_bwd`` -> ``step``; refused for a model with active dropout. ``temperature``: the log-probs are
+        ``log_softmax(logits / temperature)``, the distribution the sampler drew from at that temperature.
         """
         return self._run(
             operations.FWD_BWD,
             batch=batch,
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
+            temperature=temperature,
         )
 
     def step(self) -> dict[str, Any]:
@@ -291,6 +318,7 @@ class SyncArcticRLClient(_ClientBase):
         *,
         old_log_probs_from_forward: bool = False,
         sync_weights: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, Any]:
         """``fwd_bwd`` + ``step`` (+ ``sync_weights`` when asked) in one round trip; returns ``{"fwd_bwd": ...,
         "step": ..., "sync_weights": ... or None}``, each what that call returns (the step's metrics include the
@@ -301,6 +329,7 @@ class SyncArcticRLClient(_ClientBase):
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
             sync_weights=sync_weights,
+            temperature=temperature,
         )
 
     def sync_weights(self) -> dict[str, float]:
@@ -341,8 +370,10 @@ class SyncArcticRLClient(_ClientBase):
     def weight_norm(self) -> dict[str, float]:
         return self._run(operations.WEIGHT_NORM)
 
-    def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
-        return self._run(operations.LOG_PROBS, prompts=prompts, completions=completions)
+    def log_probs(
+        self, prompts: Sequence[str], completions: Sequence[str], *, temperature: float = 1.0
+    ) -> list[list[float]]:
+        return self._run(operations.LOG_PROBS, prompts=prompts, completions=completions, temperature=temperature)
 
     def last_step_metrics(self) -> dict[str, float]:
         return self._run(operations.LAST_STEP_METRICS)

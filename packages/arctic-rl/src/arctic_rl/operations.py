@@ -19,6 +19,12 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+
+def _temperature() -> Any:
+    # Log-probs at a sampling temperature: log_softmax(logits / temperature), as the sampler drew the tokens.
+    return Field(default=1.0, gt=0, allow_inf_nan=False, description="Score log-probs at this sampling temperature.")
+
+
 if TYPE_CHECKING:
     import torch
 
@@ -64,6 +70,7 @@ class FwdNoGradBody(OperationBody):
     batch: dict[str, Any] = Field(description="The padded batch (wire format); see arctic_rl.batch.")
     reference_model: StrictBool = False
     calculate_entropy: StrictBool = False
+    temperature: float = _temperature()
 
 
 class FwdBwdBody(OperationBody):
@@ -74,6 +81,7 @@ class FwdBwdBody(OperationBody):
     old_log_probs_from_forward: StrictBool = Field(
         default=False, description="The batch has no old_log_probs: use the training forward's (one update per batch)."
     )
+    temperature: float = _temperature()
 
     @field_validator("processing")
     @classmethod
@@ -125,6 +133,7 @@ class LoadCheckpointBody(OperationBody):
 class LogProbsBody(OperationBody):
     prompts: list[str]
     completions: list[str]
+    temperature: float = _temperature()
 
 
 @dataclass(frozen=True)
@@ -163,11 +172,23 @@ class Operation(Generic[Result]):
 
 
 GENERATE: Operation[list[list[dict[str, Any]]]] = Operation("generate", GenerateBody, ("sampling",))
+# Added after the first release: sent only when set, so an older server answers the plain call.
+_TEMPERATURE_ADDED = frozenset({"temperature"})
 FWD_NO_GRAD: Operation[dict[str, torch.Tensor]] = Operation(
-    "fwd_no_grad", FwdNoGradBody, ("training", "log_prob"), idempotent=True, tensors_in=True, tensors_out=True
+    "fwd_no_grad",
+    FwdNoGradBody,
+    ("training", "log_prob"),
+    idempotent=True,
+    tensors_in=True,
+    tensors_out=True,
+    sent_when_set=_TEMPERATURE_ADDED,
 )
 FWD_BWD: Operation[dict[str, Any]] = Operation(
-    "fwd_bwd", FwdBwdBody, ("training",), tensors_in=True, sent_when_set=frozenset({"old_log_probs_from_forward"})
+    "fwd_bwd",
+    FwdBwdBody,
+    ("training",),
+    tensors_in=True,
+    sent_when_set=frozenset({"old_log_probs_from_forward"}) | _TEMPERATURE_ADDED,
 )
 STEP: Operation[dict[str, Any]] = Operation("step", NoArguments, ("training",))
 TRAIN_STEP: Operation[dict[str, Any]] = Operation(
@@ -187,7 +208,9 @@ LOAD_CHECKPOINT: Operation[int] = Operation("load_checkpoint", LoadCheckpointBod
 WEIGHT_NORM: Operation[dict[str, float]] = Operation(
     "weight_norm", NoArguments, ("training", "log_prob", "sampling"), method="GET", idempotent=True
 )
-LOG_PROBS: Operation[list[list[float]]] = Operation("log_probs", LogProbsBody, ("sampling",), idempotent=True)
+LOG_PROBS: Operation[list[list[float]]] = Operation(
+    "log_probs", LogProbsBody, ("sampling",), idempotent=True, sent_when_set=_TEMPERATURE_ADDED
+)
 # Served by the service itself, from what the engines reported.
 LAST_STEP_METRICS: Operation[dict[str, float]] = Operation(
     "last_step_metrics", NoArguments, (), method="GET", idempotent=True

@@ -108,6 +108,13 @@ def _parse_processing(processing: Mapping[str, Any] | None) -> tuple[str, dict[s
     return name, config
 
 
+def _check_temperature(temperature: Any) -> None:
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise InvalidRequestError("temperature", f"must be a finite number > 0, got {temperature!r}.")
+
+
 def _check_checkpoint_arguments(path: Any, step: Any) -> None:
     if not isinstance(path, str) or not path or "\x00" in path:
         raise InvalidRequestError("path", f"must be a directory path (a non-empty string), got {path!r}.")
@@ -419,10 +426,7 @@ class RLService:
         for name, flag in (("reference_model", reference_model), ("calculate_entropy", calculate_entropy)):
             if not isinstance(flag, bool):
                 raise InvalidRequestError(name, f"must be true or false, got {flag!r}.")
-        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)) or not (
-            math.isfinite(temperature) and temperature > 0
-        ):
-            raise InvalidRequestError("temperature", f"must be a finite number > 0, got {temperature!r}.")
+        _check_temperature(temperature)
         if reference_model and not self.log_prob:
             raise ConfigError(
                 "fwd_no_grad(reference_model=True) needs the reference (log-prob) engine; set log_prob_gpus >= 1."
@@ -463,8 +467,10 @@ class RLService:
         processing: Mapping[str, Any] | None = None,
         *,
         old_log_probs_from_forward: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, Any]:
-        """Forward and backward of the step's batch with the loss named in ``processing``.
+        """Forward and backward of the step's batch with the loss named in ``processing``, on log-probs at
+        ``temperature``.
 
         ``old_log_probs_from_forward=True``: the trainer uses its own forward's log-probs (detached) as the old ones,
         saving the ``fwd_no_grad`` call; the batch's ``old_log_probs`` are not needed, and not used if present. Exact
@@ -479,6 +485,7 @@ class RLService:
             raise InvalidRequestError(
                 "old_log_probs_from_forward", f"must be true or false, got {old_log_probs_from_forward!r}."
             )
+        _check_temperature(temperature)
         loss_name, loss_config = _parse_processing(processing)
         require = ("advantages",) if old_log_probs_from_forward else ("old_log_probs", "advantages")
         valid = self._validated(batch, require=require)
@@ -498,6 +505,8 @@ class RLService:
         }
         if old_log_probs_from_forward:
             kwargs["old_log_probs_from_forward"] = True
+        if temperature != 1.0:
+            kwargs["temperature"] = float(temperature)
         with self._timer.phase("train"):
             results = self._call_each(
                 [
@@ -547,6 +556,7 @@ class RLService:
         *,
         old_log_probs_from_forward: bool = False,
         sync_weights: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, Any]:
         """``fwd_bwd`` + ``step`` (+ ``sync_weights`` when asked) in one call: one round trip for the client.
 
@@ -561,7 +571,9 @@ class RLService:
         self._require_awake("training", "train_step()")
         if sync_weights:
             self._require_awake("sampling", "train_step(sync_weights=True)")
-        trained = self.fwd_bwd(batch, processing, old_log_probs_from_forward=old_log_probs_from_forward)
+        trained = self.fwd_bwd(
+            batch, processing, old_log_probs_from_forward=old_log_probs_from_forward, temperature=temperature
+        )
         stepped = self._optimizer_step()
         synced = self.sync_weights() if sync_weights else None
         stepped["metrics"] = self._finish_step_metrics()
@@ -693,9 +705,13 @@ class RLService:
         self._timer.reset()
         return self.step_count
 
-    def log_probs(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[float]]:
-        """Per-token log-probs of each completion after its prompt (text pairs), from the sampling engine."""
+    def log_probs(
+        self, prompts: Sequence[str], completions: Sequence[str], *, temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Per-token log-probs of each completion after its prompt (text pairs), from the sampling engine, at
+        ``temperature``."""
         self._require_open()
+        _check_temperature(temperature)
         for field, texts in (("prompts", prompts), ("completions", completions)):
             if not isinstance(texts, Sequence) or isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
                 raise InvalidRequestError(field, "must be a list of strings.")
@@ -709,7 +725,7 @@ class RLService:
         tokenizer = self._tokenizer()
         prompt_ids = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in prompts]
         completion_ids = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in completions]
-        return list(self._call(self.sampling[0], "score", prompt_ids, completion_ids))
+        return list(self._call(self.sampling[0], "score", prompt_ids, completion_ids, temperature=float(temperature)))
 
     def _tokenizer(self) -> Any:
         if not hasattr(self, "_cached_tokenizer"):

@@ -174,13 +174,8 @@ class ArcticTrainingEngine(BaseEngine):  # type: ignore[misc]
         """``forward_only``: the client's ``fwd_no_grad`` (log-probs, and entropy when verl's batch asks for it).
         Else the client's ``fwd_bwd`` with verl's PPO settings mapped onto arctic-rl's loss (gradients accumulate
         on the server until ``optimizer_step``). Returns verl's ``{"model_output", "loss", "metrics"}``."""
+        # verl scales the logits by the rollout temperature: the trainer scores at the same one.
         temperature = float(get_non_tensor_data(data, "temperature", 1.0))
-        if temperature != 1.0:
-            # verl scales the logits by the rollout temperature; the client's fwd_no_grad / fwd_bwd score at 1.0.
-            raise NotImplementedError(
-                f"the arctic-rl trainer scores log-probs at temperature 1.0, verl's batch asks for {temperature}; "
-                "sample with rollout.temperature=1.0."
-            )
         if forward_only:
             if loss_function is not None:
                 raise NotImplementedError(
@@ -189,13 +184,17 @@ class ArcticTrainingEngine(BaseEngine):  # type: ignore[misc]
                 )
             batch = to_client_batch(data, training=False)
             calculate_entropy = bool(get_non_tensor_data(data, "calculate_entropy", False))
-            output = self.client.fwd_no_grad(batch, reference_model=self.reference, calculate_entropy=calculate_entropy)
+            output = self.client.fwd_no_grad(
+                batch, reference_model=self.reference, calculate_entropy=calculate_entropy, temperature=temperature
+            )
             model_output = {"log_probs": to_verl_token_values(output["logprobs"], data)}
             if calculate_entropy:
                 model_output["entropy"] = to_verl_token_values(output["entropy"], data)
             return {"model_output": model_output, "loss": [], "metrics": {}}
         processing = self._processing(loss_function)
-        reply = self.client.fwd_bwd(to_client_batch(data, training=True), processing=processing)
+        reply = self.client.fwd_bwd(
+            to_client_batch(data, training=True), processing=processing, temperature=temperature
+        )
         self._gradients_pending = True
         return {"model_output": {}, "loss": [float(reply["loss"])], "metrics": dict(reply["metrics"])}
 
