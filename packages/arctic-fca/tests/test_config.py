@@ -9,7 +9,11 @@ from arctic_fca import FcaConfig, check_vllm_version
 
 
 def test_exported_names_and_version() -> None:
-    assert arctic_fca.__version__ == "0.1.0"
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert arctic_fca.__version__ == pyproject["project"]["version"]
     assert sorted(arctic_fca.__all__) == sorted(
         [
             "TESTED_VLLM_VERSIONS",

@@ -119,5 +119,5 @@ def test_arctic_platform_rl_re_exports_every_public_name() -> None:
     found = json.loads(_fresh_python(code, REPO / "src", PACKAGE / "src"))
     assert found == {"all": sorted(arctic_rl.__all__), "same": True, "version": arctic_rl.__version__}
     root = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert "arctic-rl[engines]==0.1.0" in root["dependencies"]
+    assert f"arctic-rl[engines]=={arctic_rl.__version__}" in root["dependencies"]
     assert root["version"] == arctic_rl.__version__

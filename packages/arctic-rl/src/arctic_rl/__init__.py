@@ -5,6 +5,8 @@ training and log-prob engines and vLLM sampling engines, installed with the ``ar
 ``arctic-rl[vllm]`` extras and imported only when an engine starts.
 """
 
+import importlib.metadata
+
 from arctic_rl.batch import BATCH_KEYS, build_grpo_batch, grpo_advantages, validate_batch
 from arctic_rl.client import ArcticRLClient, SyncArcticRLClient, attach_arctic_rl_client, create_arctic_rl_client
 from arctic_rl.config import (
@@ -41,7 +43,14 @@ from arctic_rl.losses import (
 )
 from arctic_rl.metrics import StepTimer, logprob_mismatch
 
-__version__ = "0.1.0"
+try:
+    __version__: str = importlib.metadata.version("arctic-rl")
+except importlib.metadata.PackageNotFoundError:
+    # Sources on PYTHONPATH without an install (``nox -s gpu_tests``): the version's one source, pyproject.toml.
+    import tomllib
+    from pathlib import Path
+
+    __version__ = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
 
 __all__ = [
     "BATCH_KEYS",

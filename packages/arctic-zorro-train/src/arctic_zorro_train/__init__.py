@@ -7,6 +7,8 @@ training on a tiny model of the same architecture; ``python -m arctic_zorro_trai
 Nothing is patched at import time.
 """
 
+import importlib.metadata
+
 from arctic_dedup.testing import create_dummy_batch
 from arctic_zorro_train.actor import DeduplicatedActor, response_token_values
 from arctic_zorro_train.deepspeed_hook import ZorroTrainConfig, install_zorro_for_deepspeed
@@ -23,7 +25,14 @@ from arctic_zorro_train.patching import ZorroPatch, apply_zorro, is_patched, rem
 from arctic_zorro_train.plans import plan_batch, responses_to_padded
 from arctic_zorro_train.settings import ZorroSettings
 
-__version__ = "0.1.0"
+try:
+    __version__: str = importlib.metadata.version("arctic-zorro-train")
+except importlib.metadata.PackageNotFoundError:
+    # Sources on PYTHONPATH without an install (``nox -s gpu_tests``): the version's one source, pyproject.toml.
+    import tomllib
+    from pathlib import Path
+
+    __version__ = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
 
 __all__ = [
     "DeduplicatedActor",
