@@ -3,8 +3,8 @@
 What a user runs: random-init Qwen3 models (config and a byte-level tokenizer written here; ``load_format="dummy"``,
 so no weights are written for the timed engines), bf16, prefix caching on, greedy, N copies of each prompt, every
 request ``max_tokens = min_tokens = T`` with ``ignore_eos``. FCA is ``ARCTIC_FCA=1`` +
-``attention_config={"backend": "CUSTOM"}`` + ``worker_extension_cls`` (arctic_fca's); the default is the same engine
-without them (FlashAttention 3 on Hopper, with vLLM's default CUDA graphs).
+``attention_config={"backend": "CUSTOM"}`` (``"TRITON_ATTN"`` in float32) + ``worker_extension_cls`` (arctic_fca's);
+the default is the same engine without them (FlashAttention 3 on Hopper, with vLLM's default CUDA graphs).
 
 Per row, in one engine per (model, backend, dtype), each in its own process, one after the other:
 1. the prompts are prefilled once (``max_tokens=1``), so every later call finds them in the prefix cache;
@@ -15,8 +15,10 @@ Per row, in one engine per (model, backend, dtype), each in its own process, one
 Exactness, in engines of their own (``enforce_eager``; a custom logits processor makes vLLM use its V1 model runner):
 the same token sequences forced through the decode path of each engine (teacher forcing, logprobs from the raw
 logits) scored by FCA and the default in bf16, and by the default in float32 as the noise control; greedy tokens of
-FCA and the default in float32 (vLLM's FlashAttention has no float32: the default there is whatever vLLM picks, and
-the JSON names it).
+FCA and the default in float32: vLLM's FlashAttention has no float32, vLLM's float32 default is its Triton attention
+and FCA runs around it (``TRITON_ATTN``; the JSON names each engine's backend class). Both float32 engines run with
+``TRITON_F32_DEFAULT=ieee``, so vLLM's Triton attention uses exact float32 dot products as FCA's kernels do (Triton's
+default for float32 dots is TF32): the two differ by float32 rounding only.
 
 GPU:        python benchmarks/fca_vllm.py --out "$OUT"        (sized for one 10-minute call; --quick for ~5 minutes)
             --rows / --models / --skip-exactness / --exactness-only pick subsets; --budget-s stops starting engines
@@ -49,6 +51,9 @@ sys.path.insert(0, str(BENCHMARKS))
 NAME = "fca_vllm"
 WORKER_EXTENSION = "fca_vllm_worker.BenchWorkerExtension"
 FORCING_PROCESSOR = "fca_vllm_worker:ForcedContinuation"
+# The float32 engines' Triton dot precision (Triton reads the variable when it compiles a kernel).
+FLOAT32_DOT_VARIABLE = "TRITON_F32_DEFAULT"
+FLOAT32_DOT_PRECISION = "ieee"
 # Log lines worth keeping from each engine's output (the CUDA-graph decision, the backend, errors).
 KEPT_LOG_WORDS = ("cudagraph", "CUDAGraphMode", "backend", "arctic-fca", "Error", "error:")
 
@@ -244,12 +249,17 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
         # The forcing processor reads each request's output list; async scheduling would put placeholders there.
         kwargs.update(enforce_eager=True, logits_processors=[FORCING_PROCESSOR], async_scheduling=False)
     if spec.backend == "fca":
-        kwargs["attention_config"] = {"backend": "CUSTOM"}
+        kwargs["attention_config"] = {"backend": fca_backend_name(spec.dtype)}
     if spec.smoke:
         kwargs.update(enforce_eager=True, distributed_executor_backend="uni", block_size=32)
     else:
         kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
     return kwargs
+
+
+def fca_backend_name(dtype: str) -> str:
+    """The backend name FCA runs under for ``dtype``: around FlashAttention (no float32) or around Triton attention."""
+    return "TRITON_ATTN" if dtype == "float32" else "CUSTOM"
 
 
 def _greedy(tokens: int, **extra: Any) -> Any:
@@ -489,6 +499,9 @@ def run_child(spec: EngineSpec, timeout_s: float) -> dict[str, Any]:
             env["ARCTIC_FCA"] = "1"
         else:
             env.pop("ARCTIC_FCA", None)
+        if spec.dtype == "float32":
+            # Exact float32 dots in vLLM's Triton attention too (see the module docstring).
+            env[FLOAT32_DOT_VARIABLE] = FLOAT32_DOT_PRECISION
         command = [
             sys.executable,
             str(Path(__file__).resolve()),
@@ -681,6 +694,7 @@ def build_report(engines: list[dict[str, Any]]) -> dict[str, Any]:
         scored = {name: part["exactness"] for name, part in parts.items() if "exactness" in part}
         section: dict[str, Any] = {
             "backends": {name: part.get("attention_backends") for name, part in parts.items()},
+            "backend_classes": {name: part.get("attention_classes") for name, part in parts.items()},
             "errors": {name: part["error"] for name, part in parts.items() if "error" in part},
             "forced_followed": {name: f"{s['forced_followed']}/{s['sequences']}" for name, s in scored.items()},
             "fca_grouped": {name: s["fca_stats"] for name, s in scored.items() if s.get("fca_stats")},
@@ -735,11 +749,13 @@ def build_report(engines: list[dict[str, Any]]) -> dict[str, Any]:
             else None
             for model, section in exactness.items()
         },
-        # vLLM's FlashAttention has no float32: the backend vLLM picked there, per model and engine.
+        # vLLM's FlashAttention has no float32: the backend classes each float32 engine ran, per model (FCA's Triton
+        # wrapper and vLLM's Triton attention on CUDA).
         "float32_backends": {
-            model: {name: backends for name, backends in section["backends"].items() if name.endswith("float32")}
+            model: {name: classes for name, classes in section["backend_classes"].items() if name.endswith("float32")}
             for model, section in exactness.items()
         },
+        "float32_dot_precision": f"{FLOAT32_DOT_VARIABLE}={FLOAT32_DOT_PRECISION} (both float32 engines)",
         "engine_errors": {engine["engine"]: engine["error"] for engine in engines if "error" in engine},
         "row_errors": {engine["engine"]: engine["row_errors"] for engine in engines if "row_errors" in engine},
         "goals": {"speedup_4b_8x16": 2.0, "speedup_min": 1.0, "first_call_extra_s": 1.0},

@@ -37,22 +37,19 @@ class BenchWorkerExtension(FcaWorkerExtension):
     """FCA's counters (inherited) plus the benchmark's probes; vLLM mixes these methods into its worker."""
 
     def bench_engine_info(self) -> dict[str, Any]:
-        """The CUDA-graph mode vLLM settled on (after backends stated their support) and the attention backends."""
+        """The CUDA-graph mode vLLM settled on (after backends stated their support) and the attention backends (their
+        names, and their classes: FCA's Triton wrapper runs under vLLM's name TRITON_ATTN)."""
         worker: Any = self
         compilation = worker.vllm_config.compilation_config
-        backends = sorted(
-            {
-                layer.attn_backend.get_name()
-                for layer in compilation.static_forward_context.values()
-                if hasattr(layer, "attn_backend")
-            }
-        )
+        layers = compilation.static_forward_context.values()
+        classes = {layer.attn_backend for layer in layers if hasattr(layer, "attn_backend")}
         runner = type(getattr(worker, "model_runner", None))
         return {
             # Asked here: in the engine's own process a CUDA call would hold a second CUDA context for the whole run.
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "cudagraph_mode": getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode)),
-            "attention_backends": backends,
+            "attention_backends": sorted(backend.get_name() for backend in classes),
+            "attention_classes": sorted(f"{backend.__module__}.{backend.__qualname__}" for backend in classes),
             "model_runner": f"{runner.__module__}.{runner.__qualname__}",
         }
 

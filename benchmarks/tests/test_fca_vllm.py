@@ -57,6 +57,12 @@ def test_cpu_smoke_writes_every_row_and_the_exactness_comparison(tmp_path: Path)
     # In float32 FCA and the default agree to rounding and pick the same greedy tokens; bf16 differs by more.
     assert exactness["fca_vs_default_fp32_logprob_diff"]["max"] < 1e-4
     assert exactness["greedy_fp32"]["identical_sequences"] == exactness["greedy_fp32"]["sequences"] == 6
+    assert summary["greedy_fp32_identical"] == {"tiny": True}
+    # The CPU platform runs CPU_ATTN whichever backend is named (TRITON_ATTN for FCA in float32): FCA's is the override.
+    assert summary["float32_backends"]["tiny"] == {
+        "default/float32": ["vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"],
+        "fca/float32": ["arctic_fca.cpu_backend.FcaCpuAttentionBackend"],
+    }
     assert 0 < exactness["default_bf16_vs_default_fp32_logprob_diff"]["max"] < 0.1
     assert (tmp_path / "fca_vllm.png").exists()
     # Work split over device calls merges back into one report: the same run twice gives the same report.

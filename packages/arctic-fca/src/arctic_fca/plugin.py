@@ -1,4 +1,4 @@
-"""The ``vllm.general_plugins`` entry point: registers the FCA backend when ``ARCTIC_FCA=1`` (idempotent)."""
+"""The ``vllm.general_plugins`` entry point: registers the FCA backends when ``ARCTIC_FCA=1`` (idempotent)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ logger = logging.getLogger(LOGGER_NAME)
 # `arctic-fca[vllm]`); the interface the backend uses is the same across the range.
 TESTED_VLLM_VERSIONS = tuple(f"0.{minor}" for minor in range(26, 34))
 ALLOW_UNTESTED_VARIABLE = "ARCTIC_FCA_ALLOW_UNTESTED_VLLM"
-CPU_BACKEND = "arctic_fca.backend.FcaCpuAttentionBackend"
-CUDA_BACKEND = "arctic_fca.backend.FcaFlashAttentionBackend"
+CPU_BACKEND = "arctic_fca.cpu_backend.FcaCpuAttentionBackend"
+FLASH_BACKEND = "arctic_fca.backend.FcaFlashAttentionBackend"
+TRITON_BACKEND = "arctic_fca.backend.FcaTritonAttentionBackend"
 
 _lock = threading.Lock()
 _registered = False
@@ -46,11 +47,14 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    """Register the FCA attention backend with vLLM if ``ARCTIC_FCA=1``.
+    """Register the FCA attention backends with vLLM if ``ARCTIC_FCA=1``.
 
-    On CUDA the backend is registered as ``CUSTOM``; select it with ``attention_config={"backend": "CUSTOM"}`` (or
-    ``--attention-backend CUSTOM``). vLLM's CPU build always uses ``CPU_ATTN``, so there FCA overrides ``CPU_ATTN``.
-    vLLM calls this in every process it starts; calling it again does nothing.
+    On CUDA, ``CUSTOM`` is FCA around FlashAttention (float16, bfloat16): select it with
+    ``attention_config={"backend": "CUSTOM"}`` (or ``--attention-backend CUSTOM``). ``TRITON_ATTN`` becomes FCA around
+    vLLM's Triton attention, which also runs float32: select ``TRITON_ATTN``, or leave a float32 model on vLLM's
+    default (TRITON_ATTN on CUDA). The model's dtype is unknown here, so each dtype gets the backend name that vLLM's
+    validation accepts for it. vLLM's CPU build always uses ``CPU_ATTN``, so there FCA overrides ``CPU_ATTN`` (and
+    ``CUSTOM``). vLLM calls this in every process it starts; calling it again does nothing.
     """
     global _registered
     config = FcaConfig.from_env()
@@ -72,6 +76,7 @@ def register() -> None:
             register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
             register_backend(AttentionBackendEnum.CUSTOM, CPU_BACKEND)
         else:
-            register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
+            register_backend(AttentionBackendEnum.CUSTOM, FLASH_BACKEND)
+            register_backend(AttentionBackendEnum.TRITON_ATTN, TRITON_BACKEND)
         _registered = True
         logger.info("arctic-fca: registered Forest Cascade Attention (%s)", config)

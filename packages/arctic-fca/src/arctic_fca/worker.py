@@ -21,10 +21,10 @@ WORKER_EXTENSION = "arctic_fca.FcaWorkerExtension"
 
 
 def _flush_planners() -> None:
-    # Only a process that loaded the backend has planners; importing it elsewhere would import vLLM's CUDA glue.
-    backend = sys.modules.get("arctic_fca.backend")
-    if backend is not None:
-        backend.flush_planner_stats()
+    # Only a process that loaded a backend has planners; importing the planner elsewhere would import vLLM.
+    planner = sys.modules.get("arctic_fca.planner")
+    if planner is not None:
+        planner.flush_planner_stats()
 
 
 class FcaWorkerExtension:
