@@ -154,6 +154,50 @@ def test_head_major_cache_and_fp32() -> None:
     assert torch.allclose(lse.cpu(), ref_lse, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("block_size", "queries_per_kv", "head_dim", "max_query_len"), [(16, 4, 128, 1), (32, 8, 64, 3)]
+)
+def test_float32_decode_multiplies_in_exact_float32(
+    block_size: int, queries_per_kv: int, head_dim: int, max_query_len: int
+) -> None:
+    # FCA inside vLLM in float32 must pick the same greedy tokens as vLLM's attention: its dots run in exact float32
+    # ("ieee"), not Triton's default TF32 for float32 operands (10-bit mantissas: ~1e-3 relative error on these
+    # inputs), so only the order of float32 sums differs from the reference (~4e-7 under the Triton interpreter).
+    batch = make_decode_batch(
+        [300, 129, 40],
+        [[0, 40, 7], [3, 90], [5]],
+        query_lens=[[max_query_len, 1, max_query_len], [1, max_query_len], [1]],
+        block_size=block_size,
+        queries_per_kv=queries_per_kv,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        device="cuda",
+        seed=block_size + head_dim,
+    )
+    plan = plan_forest(
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        block_size=block_size,
+        num_cache_blocks=batch.key_cache.shape[0],
+        max_query_len=max_query_len,
+        queries_per_kv=queries_per_kv,
+        num_kv_heads=2,
+        config=ForestKernelConfig(split_granularity=64),
+    )
+    assert int(plan.num_groups) > 0
+    out = torch.full_like(batch.query, float("nan"))
+    forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, head_dim**-0.5, out=out)
+    ref_out, _ = reference_paged_attention(
+        *(tensor.cpu() for tensor in (batch.query, batch.key_cache, batch.value_cache, batch.block_table)),
+        batch.seq_lens.cpu(),
+        batch.query_start_loc.cpu(),
+        head_dim**-0.5,
+    )
+    error = ((out.cpu() - ref_out).norm() / ref_out.norm()).item()
+    assert error < 2e-5, f"relative error {error:.2e}: float32 dot products are not exact"
+
+
 def test_no_sharing_equals_paged_decode_bitwise() -> None:
     batch = make_decode_batch(
         [500, 333, 64], [[1], [70], [0]], queries_per_kv=4, head_dim=128, dtype=torch.bfloat16, device="cuda", seed=6
