@@ -413,7 +413,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
-    """mypy over every package's sources, with the frameworks they type against installed."""
+    """mypy over every package's sources, with the frameworks they type against installed, and over arctic-rl's
+    test fakes, which must satisfy the engine protocols the service calls (arctic_rl.engines.protocols)."""
     _install(
         session,
         "mypy==2.4.1",
@@ -428,7 +429,8 @@ def typecheck(session: nox.Session) -> None:
     )
     _drop_cuda_extras(session)
     session.install("--no-deps", *[f"-e{ROOT / 'packages' / name}" for name in PACKAGES])
-    session.run("mypy", str(ROOT / "src"), *[str(ROOT / "packages" / name / "src") for name in PACKAGES])
+    fakes = ROOT / "packages" / "arctic-rl" / "tests" / "fake_engines.py"
+    session.run("mypy", str(ROOT / "src"), *[str(ROOT / "packages" / name / "src") for name in PACKAGES], str(fakes))
 
 
 @nox.session(python=False)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -322,3 +322,14 @@ class FakeSamplingEngine:
 class EngineThatFailsToStart:
     def __init__(self, config: Any, **kwargs: Any) -> None:
         raise RuntimeError("cannot load the model: no such directory 'missing-model'")
+
+
+if TYPE_CHECKING:
+    from arctic_rl.engines.protocols import LogProbEngineProtocol, SamplingEngineProtocol, TrainingEngineProtocol
+
+    def _the_fakes_satisfy_the_engine_protocols(training: FakeTrainingEngine, sampling: FakeSamplingEngine) -> None:
+        # The fakes stand in for both DeepSpeed roles and for vLLM: mypy checks them against what the service calls.
+        checked_training: TrainingEngineProtocol = training
+        checked_log_prob: LogProbEngineProtocol = training
+        checked_sampling: SamplingEngineProtocol = sampling
+        del checked_training, checked_log_prob, checked_sampling

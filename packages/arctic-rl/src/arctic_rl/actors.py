@@ -25,7 +25,7 @@ import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from arctic_rl.engines.environment import engine_environment
 from arctic_rl.errors import ArcticRLError, EngineDiedError, EngineError
@@ -160,8 +160,12 @@ class SamplerFanout:
             raise (dead or failed)[0]
 
 
+# The engine protocol a handle's actor holds (arctic_rl.engines.protocols): the service's calls are checked against it.
+EngineType = TypeVar("EngineType", covariant=True)
+
+
 @dataclass
-class EngineHandle:
+class EngineHandle(Generic[EngineType]):
     """An engine actor as the service sees it: the Ray handle, its name (``training[0]``), role, rank and pid."""
 
     name: str
