@@ -33,7 +33,7 @@ def test_untested_version_is_refused_with_both_versions_named(version: str, monk
 
 def test_apply_zorro_refuses_then_patches_after_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(versions, "installed_transformers", lambda: "5.99.0")
-    monkeypatch.setattr(versions, "_SELF_CHECKS", {})
+    monkeypatch.setattr(parity, "_SELF_CHECKS", {})
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     model = fresh_model("qwen3")
     with pytest.raises(ZorroPatchError, match=r"5\.99\.0"):
@@ -61,7 +61,7 @@ def _opt_in_under_an_untested_release(monkeypatch: pytest.MonkeyPatch) -> list[A
     """Fake an untested transformers, opt in, empty the self-check cache; returns the check_parity calls."""
     monkeypatch.setattr(versions, "installed_transformers", lambda: "5.99.0")
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
-    monkeypatch.setattr(versions, "_SELF_CHECKS", {})
+    monkeypatch.setattr(parity, "_SELF_CHECKS", {})
     calls: list[Any] = []
     original = parity.check_parity
 

@@ -11,6 +11,7 @@ import importlib.metadata
 
 from arctic_dedup.testing import create_dummy_batch
 from arctic_zorro_train.actor import DeduplicatedActor, response_token_values
+from arctic_zorro_train.compat import Qwen3ModelOncePatcher, Qwen3ModelPatcher, QwenAttentionPatcher
 from arctic_zorro_train.deepspeed_hook import ZorroTrainConfig, install_zorro_for_deepspeed
 from arctic_zorro_train.errors import MissingDependencyError, UnsupportedModelError, ZorroPatchError
 from arctic_zorro_train.families import supported_model_types
@@ -20,7 +21,6 @@ from arctic_zorro_train.logprobs import LogitsMode, token_logprobs
 from arctic_zorro_train.loss import ppo_policy_loss
 from arctic_zorro_train.moe import RouterStatistics
 from arctic_zorro_train.parity import ParameterParity, ParityReport, check_parity
-from arctic_zorro_train.patchers import Qwen3ModelOncePatcher, Qwen3ModelPatcher, QwenAttentionPatcher
 from arctic_zorro_train.patching import ZorroPatch, apply_zorro, is_patched, remove_zorro
 from arctic_zorro_train.plans import plan_batch, responses_to_padded
 from arctic_zorro_train.settings import ZorroSettings

@@ -20,7 +20,7 @@ import torch
 from arctic_zorro_train.errors import UnsupportedModelError
 from arctic_zorro_train.parity import ParityReport, check_parity
 from arctic_zorro_train.settings import ZorroSettings
-from arctic_zorro_train.testing import FAMILIES, tiny_config
+from arctic_zorro_train.tiny_models import FAMILIES, tiny_config
 
 __all__ = ["BadInputError", "format_report", "load_config", "main"]
 

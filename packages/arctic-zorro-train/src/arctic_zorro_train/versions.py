@@ -9,13 +9,11 @@ architecture being patched (once per architecture and config shape per process) 
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from arctic_zorro_train.errors import ZorroPatchError
@@ -31,6 +29,7 @@ __all__ = [
     "guard_transformers_version",
     "installed_transformers",
     "parity_check_running",
+    "register_self_check",
 ]
 
 # Lowest and newest transformers minor releases the parity tests ran on (any patch release of the minors between).
@@ -41,21 +40,16 @@ ALLOW_UNTESTED_ENV = "ARCTIC_ZORRO_ALLOW_UNTESTED_TRANSFORMERS"
 _PARITY_CHECK_RUNNING: ContextVar[bool] = ContextVar("arctic_zorro_parity_check_running", default=False)
 
 
-@dataclass(frozen=True)
-class _SelfCheckKey:
-    """What a self-check's result depends on: the tiny model's config, the reference attention and the settings
-    that change the deduplicated path."""
-
-    tiny_config: str
-    attn_implementation: str
-    use_split_attention: bool
-    sharing: str
-    logits_mode: str
-    fp32_logits: bool
+# The parity self-check (``arctic_zorro_train.parity`` registers it when imported; the package's ``__init__`` imports
+# it): the guard calls it without importing the parity harness, which itself patches models through ``apply_zorro``.
+SelfCheck = Callable[[Any, "ZorroSettings"], "ParityReport"]
+_registered_self_check: SelfCheck | None = None
 
 
-# Self-check reports of this process: the guard runs check_parity once per architecture and config shape.
-_SELF_CHECKS: dict[_SelfCheckKey, ParityReport] = {}
+def register_self_check(check: SelfCheck) -> None:
+    """Make ``check`` (``check_parity`` on a tiny copy of the model, cached per config shape) the guard's self-check."""
+    global _registered_self_check
+    _registered_self_check = check
 
 
 def installed_transformers() -> str:
@@ -115,39 +109,6 @@ def parity_check_running() -> Iterator[None]:
         _PARITY_CHECK_RUNNING.reset(token)
 
 
-def _self_check(model: Any, settings: ZorroSettings) -> ParityReport:
-    """``check_parity`` on a tiny model of ``model``'s architecture, once per key per process.
-
-    fp32 first. Where fp32 misses the bound, a float64 run decides: fp32 rounding alone can cross 1e-5 on
-    gradients with heavy cancellation (the Gated DeltaNet decay parameters), while a real difference between the
-    deduplicated and the plain run is as large in float64 as in fp32. If the float64 run cannot run, the fp32
-    report stands.
-    """
-    import torch
-
-    from arctic_zorro_train.parity import _reference_implementation, check_parity
-    from arctic_zorro_train.testing import tiny_config_like
-
-    config = model.config
-    key = _SelfCheckKey(
-        tiny_config=json.dumps(tiny_config_like(config).to_dict(), sort_keys=True, default=str),
-        attn_implementation=_reference_implementation(config),
-        use_split_attention=settings.use_split_attention,
-        sharing=settings.sharing,
-        logits_mode=settings.logits_mode,
-        fp32_logits=settings.fp32_logits,
-    )
-    if key not in _SELF_CHECKS:
-        report = check_parity(model, settings=settings)
-        if not report.passed:
-            try:
-                report = check_parity(model, settings=settings, dtype=torch.float64)
-            except Exception as error:
-                warnings.warn(f"the float64 parity self-check could not run ({error!r})", stacklevel=2)
-        _SELF_CHECKS[key] = report
-    return _SELF_CHECKS[key]
-
-
 def guard_transformers_version(model: Any, settings: ZorroSettings, allow_untested: bool | None = None) -> None:
     """What ``apply_zorro`` runs before patching ``model``.
 
@@ -160,8 +121,15 @@ def guard_transformers_version(model: Any, settings: ZorroSettings, allow_untest
     version = installed_transformers()
     model_type = getattr(model.config, "model_type", type(model).__name__)
     command = "python -m arctic_zorro_train.check <model directory or config.json>"
+    self_check = _registered_self_check
+    if self_check is None:
+        raise ZorroPatchError(
+            f"transformers {version} is outside arctic-zorro-train's tested range ({_tested_range()}) and no parity "
+            "self-check is registered to vet it: import arctic_zorro_train (its arctic_zorro_train.parity registers "
+            f"the check), or install a tested transformers ({_install_tested()})."
+        )
     try:
-        report = _self_check(model, settings)
+        report = self_check(model, settings)
     except Exception as error:
         raise ZorroPatchError(
             f"transformers {version} is outside arctic-zorro-train's tested range ({_tested_range()}), and the "
