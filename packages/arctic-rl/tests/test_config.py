@@ -333,3 +333,56 @@ def test_lr_schedules_by_hand() -> None:
         optimizer.step()
         scheduler.step()
     assert seen == pytest.approx([0.25, 0.5, 0.5, 0.4])
+
+
+# The fields only the client and the service read (transport, placement checks, time limits, checkpoint directory).
+CLIENT_ONLY_FIELDS = {
+    "comm_protocol",
+    "gpus_per_node",
+    "engine_call_timeout_s",
+    "checkpoint_path",
+    "log_prob_engine",
+    "ray_address",
+    "host",
+    "port",
+    "launch_local_server",
+    "token_file",
+    "http",
+}
+
+
+def test_each_engine_receives_only_its_own_sections(tmp_path: Path) -> None:
+    from arctic_rl.config import _SHARED_ENGINE_FIELDS, ENGINE_SECTIONS
+
+    engine_fields = {*_SHARED_ENGINE_FIELDS, *(name for names in ENGINE_SECTIONS.values() for name in names)}
+    # Every field is classified: a new one must be added to an engine's sections or to the client's.
+    assert engine_fields | CLIENT_ONLY_FIELDS == set(ArcticRLClientConfig.model_fields)
+    assert not engine_fields & CLIENT_ONLY_FIELDS
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    config = ArcticRLClientConfig(
+        model_name="models/tiny",
+        comm_protocol="http",
+        host="10.1.2.3",
+        port=7443,
+        token_file=str(token),
+        http={"retries": 9},
+        training={"lr": 3e-6},
+        zorro_train={"enable": True},
+        sampling={"max_model_len": 64},
+        fca={"enable": True, "min_group_size": 3},
+        ds_config={"zero_optimization": {"reduce_bucket_size": 1000}},
+        seed=5,
+    )
+    default = ArcticRLClientConfig(model_name="models/tiny")
+    for role, sections in ENGINE_SECTIONS.items():
+        engine = config.for_engine(role)
+        for name in ArcticRLClientConfig.model_fields:
+            source = config if name in {*sections, *_SHARED_ENGINE_FIELDS} else default
+            assert getattr(engine, name) == getattr(source, name), (role, name)
+        assert (engine.host, engine.port, engine.token_file, engine.http.retries) == ("127.0.0.1", 7000, None, 3)
+    assert config.for_engine("sampling").training == default.training
+    assert config.for_engine("training").fca == default.fca
+    assert config.for_engine("log_prob").training == config.training
+    with pytest.raises(ValueError, match="role must be one of"):
+        config.for_engine("client")

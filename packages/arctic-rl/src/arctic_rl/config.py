@@ -316,6 +316,28 @@ class HttpConfig(_Section):
     )
 
 
+# What every engine reads: the model, where and how it runs, the seed, and how weights reach the samplers.
+_SHARED_ENGINE_FIELDS: tuple[str, ...] = (
+    "model_name",
+    "tokenizer_name",
+    "device",
+    "dtype",
+    "seed",
+    "full_determinism",
+    "colocate",
+    "training_gpus",
+    "sampling_gpus",
+    "log_prob_gpus",
+    "weight_sync",
+)
+# Each engine role's own sections (the log-prob engine shards like the trainer, so it reads `training` too).
+ENGINE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "training": ("training", "zorro_train", "ds_config"),
+    "log_prob": ("training", "zorro_train", "ds_config"),
+    "sampling": ("sampling", "fca"),
+}
+
+
 class ArcticRLClientConfig(BaseModel):
     """Everything an arctic-rl client needs: model, GPU counts, placement, and the engines' sections.
 
@@ -552,6 +574,21 @@ class ArcticRLClientConfig(BaseModel):
                 f"not divide the {gpus_per_node} GPUs per node; use a tensor_parallel_size in {divisors}, or "
                 "colocate=False."
             )
+
+    def for_engine(self, role: str) -> ArcticRLClientConfig:
+        """The config ``role``'s engines receive: the client's transport (HTTP host, port, token file, timeouts, the
+        Ray address) and the other engines' sections are reset to their defaults, so an engine reads only what is
+        its own (:data:`ENGINE_SECTIONS`) and nothing of the client's reaches its process. ``role``: ``"training"``,
+        ``"log_prob"`` or ``"sampling"``."""
+        if role not in ENGINE_SECTIONS:
+            raise ValueError(f"role must be one of {sorted(ENGINE_SECTIONS)}, got {role!r}.")
+        kept = {*ENGINE_SECTIONS[role], *_SHARED_ENGINE_FIELDS}
+        defaults = {
+            name: field.get_default(call_default_factory=True)
+            for name, field in type(self).model_fields.items()
+            if name not in kept and not field.is_required()
+        }
+        return self.model_copy(update=defaults)
 
     def resolved_device(self) -> Device:
         """The device every engine runs on: ``device``, with 'auto' resolved against this process's CUDA."""

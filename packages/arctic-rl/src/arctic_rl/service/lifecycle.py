@@ -81,10 +81,13 @@ def start_engines(
                 "master_port": master_port,
                 "role": role,
             }
-            pending.append((handle, handle.actor.start.remote(engine_classes[role], config, kwargs)))
+            # Each engine gets its own sections of the config, nothing of the client's (HTTP, token file, Ray).
+            role_config = config.for_engine(role)
+            pending.append((handle, handle.actor.start.remote(engine_classes[role], role_config, kwargs)))
+    sampling_config = config.for_engine("sampling")
     for handle in engines.sampling:
         kwargs = {"replica": handle.rank}
-        pending.append((handle, handle.actor.start.remote(engine_classes["sampling"], config, kwargs)))
+        pending.append((handle, handle.actor.start.remote(engine_classes["sampling"], sampling_config, kwargs)))
     for handle, reference in pending:
         info = calls.get(handle, reference, timeout=timeout_s)
         handle.pid = info["pid"]
