@@ -416,3 +416,11 @@ def test_any_split_gives_the_same_loss_and_gradient(
     assert split_metrics == pytest.approx(whole_metrics, rel=1e-12, abs=1e-12)
     torch.testing.assert_close(split_grad, whole_grad, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(split_entropy_grad, whole_entropy_grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_parsed_loss_config_is_taken_as_is() -> None:
+    # The training engine parses the loss config once and asks the parsed config what the loss needs.
+    grpo = get_loss_fn("grpo")
+    parsed = grpo.parse_config({"kl_coef": 0.1, "tis_cap": 2.0})
+    assert grpo.parse_config(parsed) is parsed
+    assert grpo.needs(parsed) == grpo.needs({"kl_coef": 0.1, "tis_cap": 2.0}) == LossNeeds(False, True, True)

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,34 +30,16 @@ from arctic_rl.engines.zero_step import install_multi_tensor_checks
 from arctic_rl.errors import ConfigError, EngineError, EngineStateError, InvalidRequestError, import_optional
 
 if TYPE_CHECKING:
-    from arctic_rl.config import ArcticRLClientConfig, TrainingConfig
+    from arctic_rl.config import ArcticRLClientConfig
     from arctic_rl.engines.weight_transfer import CrossProcessMethod, SamplerCall
 
-__all__ = ["CHECKPOINT_TAG_PREFIX", "SLEEP_MODES", "TrainingEngine", "lr_multiplier"]
+__all__ = ["CHECKPOINT_TAG_PREFIX", "SLEEP_MODES", "TrainingEngine"]
 
 # sleep(mode): "optimizer" moves the fp32 master weights, optimizer moments and gradient buffers; "weights" the
 # model's own (low-precision) parameters; "all" both.
 SLEEP_MODES: tuple[str, ...] = ("all", "optimizer", "weights")
 CHECKPOINT_TAG_PREFIX = "global_step"
 _TAG_PATTERN = re.compile(rf"^{CHECKPOINT_TAG_PREFIX}(\d+)$")
-
-
-def lr_multiplier(step: int, training: TrainingConfig) -> float:
-    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``training.lr``.
-
-    Linear warmup ``(step + 1) / warmup_steps`` over the first ``warmup_steps`` steps, then ``constant`` (1), or a
-    ``linear`` / ``cosine`` decay reaching ``min_lr_ratio`` at ``total_steps`` and staying there.
-    """
-    if step < training.warmup_steps:
-        return (step + 1) / training.warmup_steps
-    if training.lr_schedule == "constant" or training.total_steps is None:
-        return 1.0
-    horizon = training.total_steps - training.warmup_steps
-    progress = 1.0 if horizon <= 0 else min(1.0, (step - training.warmup_steps) / horizon)
-    floor = training.min_lr_ratio
-    if training.lr_schedule == "linear":
-        return floor + (1.0 - floor) * (1.0 - progress)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _checkpoint_tag(step: int) -> str:
@@ -201,7 +182,7 @@ class TrainingEngine(DeepSpeedModelEngine):
             weight_decay=training.weight_decay,
             fused=self.device.type == "cuda",
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, training=training))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, training.lr_multiplier)
         if self._clips_itself():
             optimizer.register_step_pre_hook(self._clip_before_update)
         engine, _, _, engine_scheduler = self._deepspeed.initialize(
@@ -263,7 +244,7 @@ class TrainingEngine(DeepSpeedModelEngine):
         self._check_temperature(temperature)
         registered = get_loss_fn(loss_name)
         options = registered.parse_config(loss_config or {})
-        needs = registered.needs(loss_config or {})
+        needs = registered.needs(options)  # parsed once: a parsed config is taken as is
         for name, value in (("global_tokens", global_tokens), ("global_sequences", global_sequences)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(
