@@ -154,7 +154,7 @@ class FakeTrainingEngine:
         yield "weights", self.weights.detach().clone()
 
     def transfer_setup(self, method: str, samplers: Any, **rendezvous: Any) -> None:
-        from arctic_rl.engines.weight_transfer import SamplerWeightSyncClient
+        from arctic_rl.engines.weight_sync import SamplerWeightSyncClient
 
         if self.transfer is not None:
             raise EngineStateError("transfer already set up", engine=self.name)

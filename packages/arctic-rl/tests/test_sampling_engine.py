@@ -326,7 +326,7 @@ def test_a_generate_that_fails_inside_vllm_aborts_its_requests(engine: Any) -> N
 
 def test_transfer_methods_drive_vllms_update_session(engine: Any, reference: Any) -> None:
     """The receiver methods the nccl / ipc trainer engines call, driven here with the in-process payload."""
-    from arctic_rl.engines.weight_transfer import SamplerWeightSyncClient
+    from arctic_rl.engines.weight_sync import SamplerWeightSyncClient
 
     client = SamplerWeightSyncClient(lambda method, args: getattr(engine, method)(*args))
     generator = torch.Generator().manual_seed(21)

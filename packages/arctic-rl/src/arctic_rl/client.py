@@ -14,9 +14,30 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from arctic_rl import operations
 from arctic_rl.errors import ArcticRLError, ConfigError, EngineError
-from arctic_rl.operations import Operation
+from arctic_rl.operations import (
+    DESCRIBE,
+    EMPTY_TRAINING_CACHE,
+    FWD_BWD,
+    FWD_NO_GRAD,
+    GENERATE,
+    LAST_STEP_METRICS,
+    LOAD_CHECKPOINT,
+    LOG_PROBS,
+    RESET_PREFIX_CACHE,
+    SAVE_CHECKPOINT,
+    SLEEP_INFERENCE,
+    SLEEP_LOG_PROB,
+    SLEEP_TRAINING,
+    STEP,
+    SYNC_WEIGHTS,
+    TRAIN_STEP,
+    WAKE_INFERENCE,
+    WAKE_LOG_PROB,
+    WAKE_TRAINING,
+    WEIGHT_NORM,
+    Operation,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +156,7 @@ class ArcticRLClient(_ClientBase):
     async def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]
     ) -> list[list[dict[str, Any]]]:
-        return await self._run(operations.GENERATE, prompts=prompts, sampling_params=sampling_params)
+        return await self._run(GENERATE, prompts=prompts, sampling_params=sampling_params)
 
     async def fwd_no_grad(
         self,
@@ -146,7 +167,7 @@ class ArcticRLClient(_ClientBase):
         temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         return await self._run(
-            operations.FWD_NO_GRAD,
+            FWD_NO_GRAD,
             batch=batch,
             reference_model=reference_model,
             calculate_entropy=calculate_entropy,
@@ -162,7 +183,7 @@ class ArcticRLClient(_ClientBase):
         temperature: float = 1.0,
     ) -> dict[str, Any]:
         return await self._run(
-            operations.FWD_BWD,
+            FWD_BWD,
             batch=batch,
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
@@ -170,7 +191,7 @@ class ArcticRLClient(_ClientBase):
         )
 
     async def step(self) -> dict[str, Any]:
-        return await self._run(operations.STEP)
+        return await self._run(STEP)
 
     async def train_step(
         self,
@@ -182,7 +203,7 @@ class ArcticRLClient(_ClientBase):
         temperature: float = 1.0,
     ) -> dict[str, Any]:
         return await self._run(
-            operations.TRAIN_STEP,
+            TRAIN_STEP,
             batch=batch,
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
@@ -191,55 +212,53 @@ class ArcticRLClient(_ClientBase):
         )
 
     async def sync_weights(self) -> dict[str, float]:
-        return await self._run(operations.SYNC_WEIGHTS)
+        return await self._run(SYNC_WEIGHTS)
 
     async def sleep_inference(self, level: int = 1) -> None:
-        await self._run(operations.SLEEP_INFERENCE, level=level)
+        await self._run(SLEEP_INFERENCE, level=level)
 
     async def wake_inference(self, tags: Sequence[str] | None = None) -> None:
-        await self._run(operations.WAKE_INFERENCE, tags=tags)
+        await self._run(WAKE_INFERENCE, tags=tags)
 
     async def sleep_training(self, mode: str = "all") -> None:
-        await self._run(operations.SLEEP_TRAINING, mode=mode)
+        await self._run(SLEEP_TRAINING, mode=mode)
 
     async def wake_training(self) -> None:
-        await self._run(operations.WAKE_TRAINING)
+        await self._run(WAKE_TRAINING)
 
     async def sleep_log_prob(self) -> None:
-        await self._run(operations.SLEEP_LOG_PROB)
+        await self._run(SLEEP_LOG_PROB)
 
     async def wake_log_prob(self) -> None:
-        await self._run(operations.WAKE_LOG_PROB)
+        await self._run(WAKE_LOG_PROB)
 
     async def empty_training_cache(self) -> None:
-        await self._run(operations.EMPTY_TRAINING_CACHE)
+        await self._run(EMPTY_TRAINING_CACHE)
 
     async def reset_prefix_cache(self) -> None:
-        await self._run(operations.RESET_PREFIX_CACHE)
+        await self._run(RESET_PREFIX_CACHE)
 
     async def save_checkpoint(
         self, path: str | None = None, step: int | None = None, *, keep_last: int | None = None, hf_export: bool = False
     ) -> str:
-        return await self._run(
-            operations.SAVE_CHECKPOINT, path=path, step=step, keep_last=keep_last, hf_export=hf_export
-        )
+        return await self._run(SAVE_CHECKPOINT, path=path, step=step, keep_last=keep_last, hf_export=hf_export)
 
     async def load_checkpoint(self, path: str | None = None, step: int | None = None) -> int:
-        return await self._run(operations.LOAD_CHECKPOINT, path=path, step=step)
+        return await self._run(LOAD_CHECKPOINT, path=path, step=step)
 
     async def weight_norm(self) -> dict[str, float]:
-        return await self._run(operations.WEIGHT_NORM)
+        return await self._run(WEIGHT_NORM)
 
     async def log_probs(
         self, prompts: Sequence[str], completions: Sequence[str], *, temperature: float = 1.0
     ) -> list[list[float]]:
-        return await self._run(operations.LOG_PROBS, prompts=prompts, completions=completions, temperature=temperature)
+        return await self._run(LOG_PROBS, prompts=prompts, completions=completions, temperature=temperature)
 
     async def last_step_metrics(self) -> dict[str, float]:
-        return await self._run(operations.LAST_STEP_METRICS)
+        return await self._run(LAST_STEP_METRICS)
 
     async def describe(self) -> dict[str, Any]:
-        return await self._run(operations.DESCRIBE)
+        return await self._run(DESCRIBE)
 
     async def shutdown(self) -> None:
         """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it
@@ -266,7 +285,7 @@ class SyncArcticRLClient(_ClientBase):
     def generate(
         self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: Mapping[str, Any]
     ) -> list[list[dict[str, Any]]]:
-        return self._run(operations.GENERATE, prompts=prompts, sampling_params=sampling_params)
+        return self._run(GENERATE, prompts=prompts, sampling_params=sampling_params)
 
     def fwd_no_grad(
         self,
@@ -277,7 +296,7 @@ class SyncArcticRLClient(_ClientBase):
         temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         return self._run(
-            operations.FWD_NO_GRAD,
+            FWD_NO_GRAD,
             batch=batch,
             reference_model=reference_model,
             calculate_entropy=calculate_entropy,
@@ -301,7 +320,7 @@ class SyncArcticRLClient(_ClientBase):
         ``log_softmax(logits / temperature)``, the distribution the sampler drew from at that temperature.
         """
         return self._run(
-            operations.FWD_BWD,
+            FWD_BWD,
             batch=batch,
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
@@ -309,7 +328,7 @@ class SyncArcticRLClient(_ClientBase):
         )
 
     def step(self) -> dict[str, Any]:
-        return self._run(operations.STEP)
+        return self._run(STEP)
 
     def train_step(
         self,
@@ -324,7 +343,7 @@ class SyncArcticRLClient(_ClientBase):
         "step": ..., "sync_weights": ... or None}``, each what that call returns (the step's metrics include the
         sync time). Everything is checked before any engine changes state."""
         return self._run(
-            operations.TRAIN_STEP,
+            TRAIN_STEP,
             batch=batch,
             processing=processing,
             old_log_probs_from_forward=old_log_probs_from_forward,
@@ -333,53 +352,53 @@ class SyncArcticRLClient(_ClientBase):
         )
 
     def sync_weights(self) -> dict[str, float]:
-        return self._run(operations.SYNC_WEIGHTS)
+        return self._run(SYNC_WEIGHTS)
 
     def sleep_inference(self, level: int = 1) -> None:
-        self._run(operations.SLEEP_INFERENCE, level=level)
+        self._run(SLEEP_INFERENCE, level=level)
 
     def wake_inference(self, tags: Sequence[str] | None = None) -> None:
-        self._run(operations.WAKE_INFERENCE, tags=tags)
+        self._run(WAKE_INFERENCE, tags=tags)
 
     def sleep_training(self, mode: str = "all") -> None:
-        self._run(operations.SLEEP_TRAINING, mode=mode)
+        self._run(SLEEP_TRAINING, mode=mode)
 
     def wake_training(self) -> None:
-        self._run(operations.WAKE_TRAINING)
+        self._run(WAKE_TRAINING)
 
     def sleep_log_prob(self) -> None:
-        self._run(operations.SLEEP_LOG_PROB)
+        self._run(SLEEP_LOG_PROB)
 
     def wake_log_prob(self) -> None:
-        self._run(operations.WAKE_LOG_PROB)
+        self._run(WAKE_LOG_PROB)
 
     def empty_training_cache(self) -> None:
-        self._run(operations.EMPTY_TRAINING_CACHE)
+        self._run(EMPTY_TRAINING_CACHE)
 
     def reset_prefix_cache(self) -> None:
-        self._run(operations.RESET_PREFIX_CACHE)
+        self._run(RESET_PREFIX_CACHE)
 
     def save_checkpoint(
         self, path: str | None = None, step: int | None = None, *, keep_last: int | None = None, hf_export: bool = False
     ) -> str:
-        return self._run(operations.SAVE_CHECKPOINT, path=path, step=step, keep_last=keep_last, hf_export=hf_export)
+        return self._run(SAVE_CHECKPOINT, path=path, step=step, keep_last=keep_last, hf_export=hf_export)
 
     def load_checkpoint(self, path: str | None = None, step: int | None = None) -> int:
-        return self._run(operations.LOAD_CHECKPOINT, path=path, step=step)
+        return self._run(LOAD_CHECKPOINT, path=path, step=step)
 
     def weight_norm(self) -> dict[str, float]:
-        return self._run(operations.WEIGHT_NORM)
+        return self._run(WEIGHT_NORM)
 
     def log_probs(
         self, prompts: Sequence[str], completions: Sequence[str], *, temperature: float = 1.0
     ) -> list[list[float]]:
-        return self._run(operations.LOG_PROBS, prompts=prompts, completions=completions, temperature=temperature)
+        return self._run(LOG_PROBS, prompts=prompts, completions=completions, temperature=temperature)
 
     def last_step_metrics(self) -> dict[str, float]:
-        return self._run(operations.LAST_STEP_METRICS)
+        return self._run(LAST_STEP_METRICS)
 
     def describe(self) -> dict[str, Any]:
-        return self._run(operations.DESCRIBE)
+        return self._run(DESCRIBE)
 
     def shutdown(self) -> None:
         """Stop every engine and remove their actors and placement groups; shut Ray down if the client started it

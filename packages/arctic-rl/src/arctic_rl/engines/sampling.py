@@ -12,9 +12,9 @@ import torch
 
 from arctic_rl.config import ArcticRLClientConfig
 from arctic_rl.engines.environment import engine_environment
-from arctic_rl.engines.gloo_transfer import register_gloo_engines
-from arctic_rl.engines.weight_transfer import (
+from arctic_rl.engines.weight_sync import (
     bucket_named_tensors,
+    register_gloo_engines,
     register_in_process_engine,
     vllm_transfer_backend,
     worker_sum_of_squares,
@@ -88,7 +88,7 @@ class SamplingEngine:
     before the engine builds its attention layers.
 
     Weight sync (:meth:`update_weights`) goes through vLLM's RL weight-transfer API, with our in-process transfer
-    engine for ``object_store`` (see :mod:`arctic_rl.engines.weight_transfer`); the ``transfer_*`` methods are the
+    engine for ``object_store`` (see :mod:`arctic_rl.engines.weight_sync`); the ``transfer_*`` methods are the
     receiver side of vLLM's ``nccl`` / ``ipc`` engines on GPUs.
 
     Memory states: ``sleep(level)`` puts both tags (weights, KV cache) to sleep; ``wake(tags)`` wakes the given tags

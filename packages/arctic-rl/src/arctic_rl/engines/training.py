@@ -31,7 +31,7 @@ from arctic_rl.errors import ConfigError, EngineError, EngineStateError, Invalid
 
 if TYPE_CHECKING:
     from arctic_rl.config import ArcticRLClientConfig
-    from arctic_rl.engines.weight_transfer import CrossProcessMethod, SamplerCall
+    from arctic_rl.engines.weight_sync import CrossProcessMethod, SamplerCall
 
 __all__ = ["CHECKPOINT_TAG_PREFIX", "SLEEP_MODES", "TrainingEngine"]
 
@@ -581,7 +581,7 @@ class TrainingEngine(DeepSpeedModelEngine):
         ``sampler_world_size`` sampler workers join it; this call returns when the group has formed. The transfer
         then serves every :meth:`send_weights` until :meth:`transfer_shutdown`.
         """
-        from arctic_rl.engines.weight_transfer import SamplerWeightSyncClient, create_trainer_transfer
+        from arctic_rl.engines.weight_sync import SamplerWeightSyncClient, create_trainer_transfer
 
         self._require_awake("transfer_setup")
         if self._transfer is not None:

@@ -31,26 +31,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from arctic_rl.engines.weight_sync.buckets import _aligned, _nbytes, bucket_spans, pack_bucket, unpack_bucket
 from arctic_rl.errors import EngineError
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient, WeightSource
 
-__all__ = [
-    "ALIGNMENT",
-    "GLOO_BACKEND",
-    "bucket_spans",
-    "gloo_trainer_init_info",
-    "pack_bucket",
-    "register_gloo_engines",
-    "unpack_bucket",
-]
+__all__ = ["GLOO_BACKEND", "gloo_trainer_init_info", "register_gloo_engines"]
 
 GLOO_BACKEND = "arctic_gloo"
 """Name of our gloo engines in vLLM's ``WeightTransferEngineFactory`` and ``WeightTransferTrainerFactory``."""
-
-ALIGNMENT = 64
-"""Byte alignment of every tensor inside a bucket's flat buffer."""
 
 # After the trainer's broadcast fails, how long to wait for the samplers' side to report its own error (a dead
 # sampler is the usual cause, and naming it is more useful than gloo's "connection reset").
@@ -61,62 +51,6 @@ _register_lock = threading.Lock()
 
 class _BroadcastFailed(Exception):
     """The group failed under a broadcast (its cause); a sampler's own error may explain it better."""
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    return numel * torch.empty((), dtype=dtype).element_size()
-
-
-def bucket_spans(nbytes: Sequence[int], bucket_bytes: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` index ranges of consecutive tensors of ``nbytes`` bytes, greedily filled up to
-    ``bucket_bytes`` (a larger tensor goes alone): the same rule as ``bucket_named_tensors``."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    spans: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for index, count in enumerate(nbytes):
-        if index > start and size + count > bucket_bytes:
-            spans.append((start, index))
-            start, size = index, 0
-        size += count
-    if start < len(nbytes):
-        spans.append((start, len(nbytes)))
-    return spans
-
-
-def pack_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One flat CPU ``uint8`` buffer holding ``tensors`` back to back, each at an :data:`ALIGNMENT`-byte offset."""
-    total = sum(_aligned(tensor.numel() * tensor.element_size()) for tensor in tensors)
-    buffer = torch.empty(total, dtype=torch.uint8)
-    offset = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset : offset + nbytes].copy_(flat)
-        offset += _aligned(nbytes)
-    return buffer
-
-
-def unpack_bucket(
-    buffer: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]
-) -> list[torch.Tensor]:
-    """The tensors :func:`pack_bucket` packed, as views of ``buffer`` (keep it alive while they are used)."""
-    tensors = []
-    offset = 0
-    for shape, dtype in zip(shapes, dtypes, strict=True):
-        nbytes = _nbytes(shape, dtype)
-        tensors.append(buffer[offset : offset + nbytes].view(dtype).reshape(tuple(shape)))
-        offset += _aligned(nbytes)
-    if offset != buffer.numel():
-        raise ValueError(f"a bucket of {buffer.numel()} bytes does not hold the {offset} bytes its metadata declares.")
-    return tensors
 
 
 def _broadcast(group: Any, tensor: torch.Tensor) -> None:
@@ -185,7 +119,7 @@ def _worker_engine_class() -> type[Any]:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.platforms import current_platform
 
-    from arctic_rl.engines.weight_transfer import _repack_cpu_embedding_gemms
+    from arctic_rl.engines.weight_sync.in_process import _repack_cpu_embedding_gemms
 
     @dataclass
     class InitInfo(GlooWorkerInitInfo, WeightTransferInitInfo):
