@@ -215,7 +215,6 @@ class _TooLarge(Exception):
 def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
     """The FastAPI application over a blocking client of the service (Ray transport); see the module doc."""
     from arctic_rl import __version__
-    from arctic_rl.client import SyncArcticRLClient
 
     slots = None
     if settings.shared_memory:
@@ -246,6 +245,25 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
     app.state.client = client
     app.state.uvicorn_server = None
     app.state.slots = slots
+
+    _add_operation_routes(app, client, settings, activity, slots)
+    _add_error_handlers(app)
+    _add_server_routes(app, activity, slots)
+    app.add_middleware(
+        RequestGuard, bound_host=settings.host, allowed_hosts=settings.allowed_hosts, token=settings.token
+    )
+    return app
+
+
+def _add_operation_routes(
+    app: FastAPI,
+    client: SyncArcticRLClient,
+    settings: ServerSettings,
+    activity: _Activity,
+    slots: SlotRegistry | None,
+) -> None:
+    """One route per operation of the table (arctic_rl.operations), each forwarding its arguments to the client."""
+    from arctic_rl.client import SyncArcticRLClient
 
     def _arguments(op: str, content_type: str, body: bytes) -> dict[str, Any]:
         if media_type(content_type) != SLOT_CONTENT_TYPE:
@@ -315,6 +333,10 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
     for op, operation in OPERATIONS.items():
         add_operation(op, operation)
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answered in the server's JSON error form."""
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
         """404, 405 and the like in the server's JSON error form (Starlette answers them in plain text)."""
@@ -329,6 +351,10 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception) -> Response:
         return _unexpected(f"{request.method} {request.url.path}", error)
+
+
+def _add_server_routes(app: FastAPI, activity: _Activity, slots: SlotRegistry | None) -> None:
+    """The server's own endpoints: upload slots, health and status."""
 
     @app.post(f"{API_PREFIX}{SLOTS_PATH}", status_code=201)
     async def wire_slots(request: Request) -> Response:
@@ -370,11 +396,6 @@ def create_app(client: SyncArcticRLClient, settings: ServerSettings) -> FastAPI:
         snapshot = activity.snapshot()
         snapshot["wire_slots"] = None if slots is None else slots.snapshot()
         return _json_response(snapshot)
-
-    app.add_middleware(
-        RequestGuard, bound_host=settings.host, allowed_hosts=settings.allowed_hosts, token=settings.token
-    )
-    return app
 
 
 def _unexpected(op: str, error: BaseException) -> Response:
