@@ -28,6 +28,12 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES = ["arctic-dedup", "arctic-zorro-train", "arctic-fca", "arctic-rl"]
 TEST_TOOLS = ["pytest>=8.3", "hypothesis>=6.120", "numpy>=1.26"]
+# The sessions whose tests are single-threaded Python (Triton's interpreter, tiny torch ops) run them on every core:
+# one pytest worker per core (at most 4, each imports torch). The sessions that start Ray, vLLM or DeepSpeed engines
+# run one test at a time: their engines already use the cores, and Ray's CPU slots assume the machine is theirs.
+PARALLEL_TOOLS = ["pytest-xdist>=3.6"]
+PARALLEL_ARGS = ["-n", "auto", "--maxprocesses", "4"]
+PARALLEL_PACKAGES = ["arctic-dedup", "arctic-zorro-train"]
 # The nox the README's commands run (uvx nox@...), for the test that imports this file.
 NOX_REQUIREMENT = "nox==2026.10.20"
 # Frameworks arctic-dedup must never pull in (checked in its own environment).
@@ -162,7 +168,8 @@ def tests(session: nox.Session, package: str) -> None:
     ``arctic-rl-thin`` is arctic-rl without extras (what an RL framework installs in its own environment): its
     client-side tests, and a check that the engines' dependencies are neither installed nor imported.
     """
-    _install(session, *_package_requirements(package), *TEST_TOOLS)
+    parallel = package in PARALLEL_PACKAGES
+    _install(session, *_package_requirements(package), *TEST_TOOLS, *(PARALLEL_TOOLS if parallel else []))
     _drop_cuda_extras(session)
     if package == "arctic-dedup":
         probe = (
@@ -200,6 +207,7 @@ def tests(session: nox.Session, package: str) -> None:
         "-p",
         "expected_skips",
         "--durations=10",
+        *(PARALLEL_ARGS if parallel else []),
         *session.posargs,
         env=env,
     )
@@ -226,7 +234,12 @@ def zorro_transformers(session: nox.Session, transformers: str) -> None:
         args[1] = str(constraints)
     local = {name: str(ROOT / "packages" / name) for name in PACKAGES}
     session.install(
-        *args, local["arctic-dedup"], local["arctic-zorro-train"], f"transformers=={transformers}", *TEST_TOOLS
+        *args,
+        local["arctic-dedup"],
+        local["arctic-zorro-train"],
+        f"transformers=={transformers}",
+        *TEST_TOOLS,
+        *PARALLEL_TOOLS,
     )
     env = {"TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
     session.run(
@@ -239,6 +252,7 @@ def zorro_transformers(session: nox.Session, transformers: str) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
+        *PARALLEL_ARGS,
         *session.posargs,
         env=env,
     )
@@ -271,7 +285,7 @@ def _constraints_without(session: nox.Session, *packages: str) -> list[str]:
 def dedup_triton(session: nox.Session, triton: str) -> None:
     """arctic-dedup's Triton kernels on the bounds of its declared Triton range, under the interpreter."""
     dedup = str(ROOT / "packages" / "arctic-dedup")
-    session.install(*_constraints_without(session, "triton"), dedup, f"triton=={triton}", *TEST_TOOLS)
+    session.install(*_constraints_without(session, "triton"), dedup, f"triton=={triton}", *TEST_TOOLS, *PARALLEL_TOOLS)
     env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
     tests = [str(ROOT / "packages" / "arctic-dedup" / "tests" / name) for name in DEDUP_TRITON_TESTS]
     # Triton 3.6's interpreter converts one-element NumPy arrays to scalars, which NumPy >= 1.25 deprecates (thousands
@@ -279,7 +293,7 @@ def dedup_triton(session: nox.Session, triton: str) -> None:
     numpy_in_triton_36 = "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
     session.run(
         "python", "-m", "pytest", *tests, "-m", "not gpu", "-q", "-p", "no:cacheprovider", "-W", numpy_in_triton_36,
-        *session.posargs, env=env,
+        *PARALLEL_ARGS, *session.posargs, env=env,
     )  # fmt: skip
 
 
