@@ -1,12 +1,17 @@
 """The GRPO loop end to end through the client, with the real engines on the CPU: Ray local, DeepSpeed on the CPU
 accelerator, vLLM's CPU build in-process with the FCA backend, a tiny random-init Qwen3 and a byte tokenizer.
 
-Four client runs share one local Ray: split with ZoRRO on (checkpointing after the first step), colocated with
-ZoRRO off (same first step: the same log-probs, loss and gradient norm as the ZoRRO run), a restart from the
-checkpoint whose next step equals the uninterrupted run's bitwise (``full_determinism``), and split with
-``weight_sync.method='gloo'`` (the cross-process transfer path, whose first steps equal the object-store run's). The
-restarted client then loses its training engine's process: the next call names the engine and shutdown leaves
-nothing behind.
+Five client runs share one local Ray (engine start-ups are most of this module's time, so each run serves every
+check it can): split with ZoRRO on (checkpointing after the first step), colocated with ZoRRO off (same first step:
+the same log-probs, loss and gradient norm as the ZoRRO run), a restart from the checkpoint whose next step equals
+the uninterrupted run's bitwise (``full_determinism``), split with ``weight_sync.method='gloo'`` (the cross-process
+transfer path, whose first steps equal the object-store run's), and the same loop over HTTP. The restarted client
+then loses its training engine's process: the next call names the engine and shutdown leaves nothing behind.
+
+Over HTTP, a server launched by the client (``launch_local_server=True``) on the same Ray cluster gives the same
+samples, log-probs, losses, gradient norms and weight norms as the split Ray run with the same seeds, bitwise. The
+server is then killed during a ``fwd_bwd``: the client raises ``TransportError``, and a new server that loads the
+checkpoint takes the next step exactly as the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import itertools
 import math
 import os
 import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -35,6 +43,7 @@ from arctic_rl import (  # noqa: E402
     BatchValidationError,
     EngineError,
     SyncArcticRLClient,
+    TransportError,
     build_grpo_batch,
     create_arctic_rl_client,
 )
@@ -313,3 +322,88 @@ def test_gloo_weight_sync_moves_the_weights_across_processes(
             [s["token_ids"] for s in group] for group in expected.samples
         ]
         assert float((record.trainer_log_probs - expected.trainer_log_probs).abs().max()) <= EXACT
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def over_http(config: ArcticRLClientConfig, checkpoint_path: Path) -> ArcticRLClientConfig:
+    """``config`` served by a server the client launches on this module's Ray cluster."""
+    fields = config.model_dump()
+    fields.update(
+        comm_protocol="http",
+        launch_local_server=True,
+        port=free_port(),
+        ray_address=ray.get_runtime_context().gcs_address,
+        checkpoint_path=str(checkpoint_path),
+    )
+    return ArcticRLClientConfig.model_validate(fields)
+
+
+def assert_same_step(got: StepRecord, expected: StepRecord) -> None:
+    assert [[s["token_ids"] for s in group] for group in got.samples] == [
+        [s["token_ids"] for s in group] for group in expected.samples
+    ]
+    assert [[s["logprobs"] for s in group] for group in got.samples] == [
+        [s["logprobs"] for s in group] for group in expected.samples
+    ]
+    assert got.trainer_log_probs.dtype == expected.trainer_log_probs.dtype == torch.float32
+    assert torch.equal(got.trainer_log_probs, expected.trainer_log_probs)
+    assert (got.loss, got.grad_norm, got.lr, got.training_norm) == (
+        expected.loss,
+        expected.grad_norm,
+        expected.lr,
+        expected.training_norm,
+    )
+
+
+def test_grpo_over_http_equals_ray_and_resumes_after_a_killed_server(
+    split_zorro_run: dict[str, Any], tmp_path: Path
+) -> None:
+    pytest.importorskip("fastapi")
+    # The split Ray run's first two steps (same model, config and seeds) are the reference, bitwise.
+    expected: list[StepRecord] = split_zorro_run["records"][:2]
+    http_config = over_http(split_zorro_run["config"], tmp_path / "http")
+    client = start(http_config)
+    try:
+        records = [grpo_step(client, 0, colocated=False)]
+        client.save_checkpoint()
+        records.append(grpo_step(client, 1, colocated=False))
+        for got, want in zip(records, expected, strict=True):
+            assert_same_step(got, want)
+
+        # Kill the server while it runs a fwd_bwd: the client names the server and says the call was not retried.
+        rewards = [[0.0, 1.0, 0.5, 0.25]] * len(PROMPTS)
+        batch = build_grpo_batch(PROMPTS, records[1].samples, rewards, pad_token_id=PAD)
+        batch.pop("prompts")
+        errors: list[BaseException] = []
+
+        def train() -> None:
+            try:
+                client.fwd_bwd(batch)
+            except BaseException as error:
+                errors.append(error)
+
+        worker = threading.Thread(target=train)
+        worker.start()
+        server = client._transport.server  # type: ignore[attr-defined]
+        status_url = f"http://127.0.0.1:{http_config.port}/v1/status"
+        deadline = time.monotonic() + 60
+        while not any(job["operation"] == "fwd_bwd" for job in httpx.get(status_url, timeout=5).json()["running"]):
+            assert time.monotonic() < deadline, "the server never showed the fwd_bwd running"
+            time.sleep(0.01)
+        os.killpg(server.process.pid, signal.SIGKILL)
+        worker.join(timeout=60)
+        assert len(errors) == 1 and isinstance(errors[0], TransportError), errors
+        assert "not retried" in str(errors[0]) and str(http_config.port) in str(errors[0])
+    finally:
+        client.shutdown()
+
+    # A new server on the same checkpoint directory resumes after the first step and repeats the second bitwise.
+    restarted = over_http(split_zorro_run["config"], tmp_path / "http")
+    with start(restarted) as client:
+        assert client.load_checkpoint() == 1
+        assert_same_step(grpo_step(client, 1, colocated=False), records[1])
