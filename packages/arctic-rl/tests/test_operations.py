@@ -26,10 +26,17 @@ REQUIRED_VALUES: dict[str, Any] = {
 }
 
 
+# Ray adds this keyword to every method of a class once it is made an actor (its tracing hook), in place: the
+# service class looks different after any test in the same process has started it as a Ray actor.
+RAY_TRACING_PARAMETER = "_ray_trace_ctx"
+
+
 def _parameters(function: Any) -> dict[str, tuple[inspect._ParameterKind, Any]]:
     signature = inspect.signature(function)
     return {
-        name: (parameter.kind, parameter.default) for name, parameter in signature.parameters.items() if name != "self"
+        name: (parameter.kind, parameter.default)
+        for name, parameter in signature.parameters.items()
+        if name not in ("self", RAY_TRACING_PARAMETER)
     }
 
 
