@@ -11,8 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from fake_engines import VOCAB  # noqa: E402
+from http_helpers import ServerThread, free_port  # noqa: E402
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from ray_helpers import retry_start  # noqa: E402
@@ -61,12 +60,6 @@ FAKES = {
 CPU_SLOTS = {"cpus_per_cpu_worker": 0.25}
 PROMPTS = [[1, 2, 3], [4, 5]]
 MAX_REQUEST_BYTES = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def http_config(port: int, **overrides: Any) -> ArcticRLClientConfig:
@@ -111,24 +104,6 @@ def ray_client(local_ray: None) -> Iterator[SyncArcticRLClient]:
         yield client
     finally:
         client.shutdown()
-
-
-class ServerThread:
-    """A uvicorn server for ``app`` on a free loopback port, in a thread of this process."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert self.server.started
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,20 @@
 The client imports only Ray, torch, pydantic and httpx: DeepSpeed, vLLM and transformers live in the engines'
 processes, so an RL framework drives the engines from its own environment. Every operation is forwarded to the one
 service (:mod:`arctic_rl.service`), which validates before it changes anything: directly as a Ray actor call
-(``comm_protocol='ray'``), or through the HTTP server that hosts it (``comm_protocol='http'``,
-:mod:`arctic_rl.http_client`). Either way errors come back as arctic-rl's own exceptions (``BatchValidationError``,
-``EngineError`` naming the engine, ...), and the results have the same types.
+(``comm_protocol='ray'``, :mod:`arctic_rl.ray_transport`), or through the HTTP server that hosts it
+(``comm_protocol='http'``, :mod:`arctic_rl.http_client`). Either way errors come back as arctic-rl's own exceptions
+(``BatchValidationError``, ``EngineError`` naming the engine, ...), and the results have the same types. Both
+transports derive from one base (:mod:`arctic_rl.transport`) that writes each call once: the async client calls its
+async face, the blocking client its blocking face.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from arctic_rl.errors import ArcticRLError, ConfigError, EngineError
+from arctic_rl.errors import ArcticRLError, ConfigError
 from arctic_rl.operations import (
     DESCRIBE,
     EMPTY_TRAINING_CACHE,
@@ -38,6 +40,8 @@ from arctic_rl.operations import (
     WEIGHT_NORM,
     Operation,
 )
+from arctic_rl.ray_transport import RayTransport
+from arctic_rl.transport import Transport
 
 if TYPE_CHECKING:
     import torch
@@ -47,93 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["ArcticRLClient", "SyncArcticRLClient", "attach_arctic_rl_client", "create_arctic_rl_client"]
 
 Result = TypeVar("Result")
-
-
-class Transport(Protocol):
-    """How a client reaches the service: one call per operation (keyword arguments), async and blocking."""
-
-    async def call(self, op: str, arguments: dict[str, Any]) -> Any: ...
-
-    def call_sync(self, op: str, arguments: dict[str, Any]) -> Any: ...
-
-    async def close(self) -> None: ...
-
-    def close_sync(self) -> None: ...
-
-
-def _raise_from_ray(error: BaseException) -> None:
-    from ray.exceptions import RayActorError, RayTaskError
-
-    # Ray raises a service-side ArcticRLError as a class deriving from both it and RayTaskError, whose message is
-    # the remote traceback: re-raise the original exception (same type, fields and message).
-    if isinstance(error, RayTaskError) and isinstance(error.cause, ArcticRLError):
-        raise error.cause from None
-    if isinstance(error, ArcticRLError):
-        raise error
-    if isinstance(error, RayActorError):
-        raise EngineError(
-            "service", f"the arctic-rl service actor died ({type(error).__name__}); create a new client."
-        ) from None
-    raise error
-
-
-SHUTDOWN_WAIT_S = 120.0
-"""How long shutdown() waits for the service to stop its engines (each gets 30 s) before killing the service actor,
-which takes the engine actors and placement groups it created with it: shutdown ends even when an engine is stuck."""
-
-
-class RayTransport:
-    """Calls on the service actor; ``owns_service``: shutdown stops the engines, ``owns_ray``: and Ray."""
-
-    def __init__(self, service: Any, *, owns_service: bool, owns_ray: bool) -> None:
-        self._service = service
-        self._owns_service = owns_service
-        self._owns_ray = owns_ray
-
-    async def call(self, op: str, arguments: dict[str, Any]) -> Any:
-        try:
-            return await self._service.run.remote(op, arguments)
-        except Exception as error:
-            _raise_from_ray(error)
-
-    def call_sync(self, op: str, arguments: dict[str, Any]) -> Any:
-        import ray
-
-        try:
-            return ray.get(self._service.run.remote(op, arguments))
-        except Exception as error:
-            _raise_from_ray(error)
-
-    async def close(self) -> None:
-        import asyncio
-
-        try:
-            if self._owns_service:
-                await asyncio.wait_for(asyncio.wrap_future(self._service.shutdown.remote().future()), SHUTDOWN_WAIT_S)
-        except TimeoutError:
-            pass  # a service stuck in a call: _release kills it, and its engine actors with it
-        finally:
-            self._release()
-
-    def close_sync(self) -> None:
-        import ray
-        from ray.exceptions import GetTimeoutError
-
-        try:
-            if self._owns_service:
-                ray.get(self._service.shutdown.remote(), timeout=SHUTDOWN_WAIT_S)
-        except GetTimeoutError:
-            pass  # a service stuck in a call: _release kills it, and its engine actors with it
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        import ray
-
-        if self._owns_service:
-            ray.kill(self._service, no_restart=True)
-        if self._owns_ray:
-            ray.shutdown()
 
 
 class _ClientBase:

@@ -1,6 +1,6 @@
-"""The HTTP API shared by the server and the client: how an arctic-rl error maps to a status and a JSON body, and
-how a request body (JSON, or the wire format of :mod:`arctic_rl.wire`) becomes an operation's keyword arguments.
-The operations themselves (request bodies, HTTP methods, whether they may be retried) are the table of
+"""The HTTP API shared by the server and the client: how an arctic-rl error maps to a status and a JSON body (and
+back), and how a request body (JSON, or the wire format of :mod:`arctic_rl.wire`) becomes an operation's keyword
+arguments. The operations themselves (request bodies, HTTP methods, whether they may be retried) are the table of
 :mod:`arctic_rl.operations`. Needs only pydantic.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "Operation",
     "arguments_from_message",
     "error_body",
+    "error_from_body",
     "is_loopback",
     "media_type",
     "parse_arguments",
@@ -114,6 +116,26 @@ def error_body(error: ArcticRLError, op: str = "") -> tuple[int, dict[str, Any]]
     elif isinstance(error, MissingDependencyError):
         body.update(package=error.package, extra=error.extra, purpose=error.purpose)
     return status, body
+
+
+def error_from_body(body: dict[str, Any], message: str) -> ArcticRLError | None:
+    """The arctic-rl exception an error body of :func:`error_body` describes (same type and fields), with ``message``
+    as the text of those that carry only one; None when the body names none or lacks its fields."""
+    builders: dict[str, Callable[[], ArcticRLError]] = {
+        "BatchValidationError": lambda: BatchValidationError(body["key"], body["detail"]),
+        "InvalidRequestError": lambda: InvalidRequestError(body["field"], body["detail"]),
+        "EngineDiedError": lambda: EngineDiedError(body["engine"], body["detail"]),
+        "EngineError": lambda: EngineError(body["engine"], body["detail"]),
+        "EngineStateError": lambda: EngineStateError(body["detail"], engine=body.get("engine")),
+        "ConfigError": lambda: ConfigError(message),
+        "WireFormatError": lambda: WireFormatError(message),
+        "MissingDependencyError": lambda: MissingDependencyError(body["package"], body["extra"], body["purpose"]),
+    }
+    builder = builders.get(str(body.get("error")))
+    try:
+        return None if builder is None else builder()
+    except (KeyError, TypeError):
+        return None
 
 
 def _validation_message(error: ValidationError, op: str) -> str:

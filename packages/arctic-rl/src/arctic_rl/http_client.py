@@ -2,10 +2,11 @@
 
 ``create_arctic_rl_client`` builds it: connected to a running server at ``host:port`` (any process may attach to the
 same server and engines this way), or, with ``launch_local_server=True``, to a server it starts as a subprocess and
-stops at ``shutdown()``. The async client uses ``httpx.AsyncClient`` (nothing blocks inside ``async def``), the
-blocking client ``httpx.Client``. Timeouts come from ``config.http``; an idempotent operation (``OPERATIONS``) is
-retried with exponential backoff after a connection failure or a timeout, one that changes state never is. Errors
-come back as the same arctic-rl exceptions as over Ray; a server that cannot be reached raises ``TransportError``.
+stops at ``shutdown()``. Each call is written once, as an exchange of :mod:`arctic_rl.transport`: the async client
+sends its requests with ``httpx.AsyncClient`` (nothing blocks inside ``async def``), the blocking client with
+``httpx.Client``. Timeouts come from ``config.http``; an idempotent operation (``OPERATIONS``) is retried with
+exponential backoff after a connection failure or a timeout, one that changes state never is. Errors come back as the
+same arctic-rl exceptions as over Ray; a server that cannot be reached raises ``TransportError``.
 
 A batch of at least ``http.shared_memory_min_bytes`` for a server on a loopback host goes through a shared-memory
 upload slot (:mod:`arctic_rl.wire_slots`) when ``http.shared_memory`` is on: the tensors' bytes are written once into
@@ -15,7 +16,6 @@ transport sends bodies from then on; a server out of slot space gets the body fo
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -25,26 +25,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from arctic_rl.errors import (
-    ArcticRLError,
-    BatchValidationError,
-    ConfigError,
-    EngineDiedError,
-    EngineError,
-    EngineStateError,
-    InvalidRequestError,
-    MissingDependencyError,
-    TransportError,
-    WireFormatError,
+from arctic_rl.errors import ArcticRLError, ConfigError, TransportError, WireFormatError
+from arctic_rl.http_api import (
+    API_PREFIX,
+    JSON_CONTENT_TYPE,
+    OPERATIONS,
+    Operation,
+    error_from_body,
+    is_loopback,
+    read_token,
 )
-from arctic_rl.http_api import API_PREFIX, OPERATIONS, is_loopback, read_token
+from arctic_rl.transport import Blocking, Exchange, Sleep, TransportBase
 from arctic_rl.wire import CONTENT_TYPE, MessagePlan, decode_message, plan_message
 from arctic_rl.wire_slots import SLOT_CONTENT_TYPE, SLOTS_PATH, SlotUnusable, write_to_slot
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
     from arctic_rl.config import ArcticRLClientConfig
 
-__all__ = ["HttpTransport", "LocalServer", "connect_http"]
+__all__ = ["HttpRequest", "HttpTransport", "LocalServer", "connect_http"]
 
 # A body larger than this is sent in chunks of this size (views, no copies): httpcore re-slices the unsent rest of
 # one large bytes body after every socket write, which copies it again each time (0.03 GB/s at 256 MiB).
@@ -96,20 +96,9 @@ def _rebuild_error(op: str, url: str, response: httpx.Response) -> ArcticRLError
     if status in (401, 403, 415, 421) or body.get("error") == "Unauthorized":
         # The token, the Host or Origin header, or the content type: this client's configuration or headers.
         return ConfigError(f"{op}: the server at {url} refused the request ({status}): {message}")
-    builders: dict[str, Callable[[], ArcticRLError]] = {
-        "BatchValidationError": lambda: BatchValidationError(body["key"], body["detail"]),
-        "InvalidRequestError": lambda: InvalidRequestError(body["field"], body["detail"]),
-        "EngineDiedError": lambda: EngineDiedError(body["engine"], body["detail"]),
-        "EngineError": lambda: EngineError(body["engine"], body["detail"]),
-        "EngineStateError": lambda: EngineStateError(body["detail"], engine=body.get("engine")),
-        "ConfigError": lambda: ConfigError(message),
-        "WireFormatError": lambda: WireFormatError(message),
-        "MissingDependencyError": lambda: MissingDependencyError(body["package"], body["extra"], body["purpose"]),
-    }
-    builder = builders.get(str(body.get("error")))
-    if builder is not None:
-        with contextlib.suppress(KeyError, TypeError):
-            return builder()
+    rebuilt = error_from_body(body, message)
+    if rebuilt is not None:
+        return rebuilt
     return ArcticRLError(f"{op}: the server at {url} answered {status}: {message}")
 
 
@@ -218,8 +207,30 @@ class LocalServer:
         self._directory.cleanup()
 
 
-class HttpTransport:
-    """Calls on an arctic-rl HTTP server (see the module doc); ``server`` is the subprocess this client launched."""
+@dataclass(frozen=True)
+class HttpRequest:
+    """One request of an exchange (the faces send a body over ``_CHUNK_BYTES`` in chunks)."""
+
+    method: str
+    url: str
+    content: bytes | None
+    headers: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class _Disconnect:
+    """Close the face's connections: the last effect of closing."""
+
+
+_HttpEffect = HttpRequest | _Disconnect
+
+
+class HttpTransport(TransportBase[_HttpEffect]):
+    """Calls on an arctic-rl HTTP server (see the module doc); ``server`` is the subprocess this client launched.
+
+    Each call and the closing are one exchange (:mod:`arctic_rl.transport`); the blocking face sends its requests
+    with ``httpx.Client``, the async face with ``httpx.AsyncClient``.
+    """
 
     def __init__(self, config: ArcticRLClientConfig, *, server: LocalServer | None = None) -> None:
         import httpx
@@ -237,35 +248,78 @@ class HttpTransport:
         self._async_client: httpx.AsyncClient | None = None
         self._sync_client: httpx.Client | None = None
 
-    # ------------------------------------------------------------------------------------------ requests
-    def _request(
-        self, op: str, arguments: dict[str, Any]
-    ) -> tuple[str, str, bytes | MessagePlan | None, dict[str, str]]:
-        if op not in OPERATIONS:
+    # ------------------------------------------------------------------------------------ exchanges
+    def exchange(self, op: str, arguments: dict[str, Any]) -> Exchange[_HttpEffect]:
+        import httpx
+
+        operation = OPERATIONS.get(op)
+        if operation is None:
             raise ConfigError(f"{op!r} is not an operation of the arctic-rl server; use one of {sorted(OPERATIONS)}.")
-        operation = OPERATIONS[op]
-        method = operation.method
+        request = self._request(op, operation, arguments)
+        attempts = 1 + (self.settings.retries if operation.idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                # A batch for a slot asks for a new one on every attempt: a slot is used once.
+                sent = (yield from self._through_slot(op, request)) if isinstance(request, MessagePlan) else request
+                response = yield sent
+            except httpx.TransportError as error:
+                if attempt + 1 == attempts:
+                    raise self._unreachable(op, error, attempts) from None
+                yield Sleep(float(self.settings.backoff_s * 2**attempt))
+                continue
+            return self._result(op, response)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def closing(self) -> Exchange[_HttpEffect]:
+        """Stop the launched server (its engines first), then close the connections; an attached client only closes
+        its connections."""
+        import httpx
+
+        try:
+            if self.server is not None:
+                with contextlib.suppress(httpx.HTTPError):
+                    yield self._json_request(f"{self.url}{API_PREFIX}/shutdown", "{}")
+                yield Blocking(self.server.stop)
+        finally:
+            yield _Disconnect()
+
+    # ------------------------------------------------------------------------------------ requests
+    def _request(self, op: str, operation: Operation[Any], arguments: dict[str, Any]) -> HttpRequest | MessagePlan:
+        """The request of ``op``; a batch bound for an upload slot stays a plan (each attempt asks for a slot)."""
         url = f"{self.url}{API_PREFIX}/{op}"
-        if method == "GET":
-            return method, url, None, self.headers
+        if operation.method == "GET":
+            return HttpRequest("GET", url, None, self.headers)
         # A batch of tensors travels in the wire format, everything else as JSON.
         if operation.tensors_in:
             plan = plan_message(arguments, max_bytes=self.max_bytes)
             if self.use_slots and plan.size >= self.settings.shared_memory_min_bytes:
-                return method, url, plan, self.headers
-            content = plan.to_bytes()
-            return method, url, content, self._body_headers(content)
+                return plan
+            return self._body_request(url, plan.to_bytes())
         try:
             text = json.dumps(arguments, default=_to_json)
         except (TypeError, ValueError) as error:
             raise WireFormatError(f"{op}: the arguments cannot be sent as JSON ({error}); pass lists, dicts, strings "
                                   "and numbers.") from None  # fmt: skip
-        return method, url, text.encode(), {**self.headers, "Content-Type": "application/json"}
+        return self._json_request(url, text)
 
-    def _body_headers(self, content: bytes) -> dict[str, str]:
+    def _json_request(self, url: str, text: str) -> HttpRequest:
+        return HttpRequest("POST", url, text.encode(), {**self.headers, "Content-Type": JSON_CONTENT_TYPE})
+
+    def _body_request(self, url: str, content: bytes) -> HttpRequest:
         # Content-Length set explicitly: a body sent in chunks would otherwise go without a length (chunked
         # encoding), and the server could not refuse an oversize one before reading it.
-        return {**self.headers, "Content-Type": CONTENT_TYPE, "Content-Length": str(len(content))}
+        headers = {**self.headers, "Content-Type": CONTENT_TYPE, "Content-Length": str(len(content))}
+        return HttpRequest("POST", url, content, headers)
+
+    def _through_slot(self, op: str, plan: MessagePlan) -> Generator[HttpRequest | Blocking, Any, HttpRequest]:
+        """The request of ``op`` naming a new upload slot that holds ``plan``, or with the blob as its body when the
+        server gives no slot this process can use."""
+        slot = None
+        if self.use_slots:
+            answer = yield self._json_request(f"{self.url}{API_PREFIX}{SLOTS_PATH}", json.dumps({"size": plan.size}))
+            slot = self._slot_answer(op, answer)
+        request: HttpRequest = yield Blocking(partial(self._slot_or_body, f"{self.url}{API_PREFIX}/{op}", plan, slot))
+        return request
 
     def _slot_answer(self, op: str, response: httpx.Response) -> Any:
         """The server's slot (JSON), or None: send the body. Raises the server's error for a refused size."""
@@ -278,17 +332,16 @@ class HttpTransport:
             self.use_slots = False
         return None
 
-    def _slot_or_body(self, plan: MessagePlan, slot: Any) -> tuple[bytes, dict[str, str]]:
+    def _slot_or_body(self, url: str, plan: MessagePlan, slot: Any) -> HttpRequest:
         """The request naming ``slot`` after writing ``plan`` into it, or the body when there is no usable slot."""
         if slot is not None:
             try:
                 reference = write_to_slot(slot, plan)
-                return reference.encode(), {**self.headers, "Content-Type": SLOT_CONTENT_TYPE}
+                return HttpRequest("POST", url, reference.encode(), {**self.headers, "Content-Type": SLOT_CONTENT_TYPE})
             except SlotUnusable:
                 # Another host, another user, or no room to write: the body from now on.
                 self.use_slots = False
-        content = plan.to_bytes()
-        return content, self._body_headers(content)
+        return self._body_request(url, plan.to_bytes())
 
     def _result(self, op: str, response: httpx.Response) -> Any:
         if response.status_code >= 400:
@@ -316,110 +369,36 @@ class HttpTransport:
             f"(`arctic-rl-serve --host ... --port ...`) at this address. {advice}."
         )
 
-    def _attempts(self, op: str) -> int:
-        return 1 + (self.settings.retries if OPERATIONS[op].idempotent else 0)
-
-    def _backoff(self, attempt: int) -> float:
-        return float(self.settings.backoff_s * 2**attempt)
-
-    async def call(self, op: str, arguments: dict[str, Any]) -> Any:
+    # ------------------------------------------------------------------------------------ the two faces
+    def perform(self, effect: _HttpEffect) -> Any:
         import httpx
 
-        method, url, content, headers = self._request(op, arguments)
-        if self._async_client is None:
-            self._async_client = httpx.AsyncClient(timeout=self.timeout)
-        attempts = self._attempts(op)
-        slots_url = f"{self.url}{API_PREFIX}{SLOTS_PATH}"
-        for attempt in range(attempts):
-            try:
-                payload: bytes | None
-                payload_headers = headers
-                if isinstance(content, MessagePlan):
-                    # A new slot per attempt: a slot is used once.
-                    slot = None
-                    if self.use_slots:
-                        asked = await self._async_client.post(slots_url, json={"size": content.size}, headers=headers)
-                        slot = self._slot_answer(op, asked)
-                    payload, payload_headers = await asyncio.to_thread(self._slot_or_body, content, slot)
-                else:
-                    payload = content
-                body: Any = payload
-                if payload is not None and len(payload) > _CHUNK_BYTES:
-                    # A fresh iterator per attempt: a retry sends the whole body again.
-                    body = _async_chunks(payload)
-                response = await self._async_client.request(method, url, content=body, headers=payload_headers)
-            except httpx.TransportError as error:
-                if attempt + 1 == attempts:
-                    raise self._unreachable(op, error, attempts) from None
-                await asyncio.sleep(self._backoff(attempt))
-                continue
-            return self._result(op, response)
-        raise AssertionError("unreachable: the loop returns or raises")
-
-    def call_sync(self, op: str, arguments: dict[str, Any]) -> Any:
-        import httpx
-
-        method, url, content, headers = self._request(op, arguments)
+        if isinstance(effect, _Disconnect):
+            if self._sync_client is not None:
+                self._sync_client.close()
+            return None
         if self._sync_client is None:
             self._sync_client = httpx.Client(timeout=self.timeout)
-        attempts = self._attempts(op)
-        slots_url = f"{self.url}{API_PREFIX}{SLOTS_PATH}"
-        for attempt in range(attempts):
-            try:
-                payload: bytes | None
-                payload_headers = headers
-                if isinstance(content, MessagePlan):
-                    slot = None
-                    if self.use_slots:
-                        asked = self._sync_client.post(slots_url, json={"size": content.size}, headers=headers)
-                        slot = self._slot_answer(op, asked)
-                    payload, payload_headers = self._slot_or_body(content, slot)
-                else:
-                    payload = content
-                body: Any = payload
-                if payload is not None and len(payload) > _CHUNK_BYTES:
-                    body = _chunks(payload)
-                response = self._sync_client.request(method, url, content=body, headers=payload_headers)
-            except httpx.TransportError as error:
-                if attempt + 1 == attempts:
-                    raise self._unreachable(op, error, attempts) from None
-                time.sleep(self._backoff(attempt))
-                continue
-            return self._result(op, response)
-        raise AssertionError("unreachable: the loop returns or raises")
+        content = effect.content
+        # A fresh iterator per request: a retry sends the whole body again (httpx sends the memoryviews as bytes).
+        body: Any = _chunks(content) if content is not None and len(content) > _CHUNK_BYTES else content
+        return self._sync_client.request(effect.method, effect.url, content=body, headers=effect.headers)
 
-    # ------------------------------------------------------------------------------------------- closing
-    async def close(self) -> None:
-        """Stop the launched server (its engines first), then close the connections; an attached client only
-        closes its connections."""
+    async def perform_async(self, effect: _HttpEffect) -> Any:
         import httpx
 
-        try:
-            if self.server is not None:
-                if self._async_client is None:
-                    self._async_client = httpx.AsyncClient(timeout=self.timeout)
-                with contextlib.suppress(httpx.HTTPError):
-                    await self._async_client.post(f"{self.url}{API_PREFIX}/shutdown", json={}, headers=self.headers)
-                await asyncio.to_thread(self.server.stop)
-        finally:
+        if isinstance(effect, _Disconnect):
             if self._async_client is not None:
                 await self._async_client.aclose()
+            # Connections the blocking face opened too, if this transport was used both ways.
             if self._sync_client is not None:
                 self._sync_client.close()
-
-    def close_sync(self) -> None:
-        import httpx
-
-        try:
-            if self.server is not None:
-                if self._sync_client is None:
-                    self._sync_client = httpx.Client(timeout=self.timeout)
-                with contextlib.suppress(httpx.HTTPError):
-                    self._sync_client.post(f"{self.url}{API_PREFIX}/shutdown", json={}, headers=self.headers)
-                self.server.stop()
-        finally:
-            if self._sync_client is not None:
-                self._sync_client.close()
+            return None
+        if self._async_client is None:
+            self._async_client = httpx.AsyncClient(timeout=self.timeout)
+        content = effect.content
+        body: Any = _async_chunks(content) if content is not None and len(content) > _CHUNK_BYTES else content
+        return await self._async_client.request(effect.method, effect.url, content=body, headers=effect.headers)
 
 
 def connect_http(

@@ -16,6 +16,7 @@ are refused on decoding (``WireFormatError``), and both sides refuse a blob larg
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -200,13 +201,7 @@ def decode_message(data: bytes | bytearray | memoryview, *, max_bytes: int = DEF
         tensors = load(bytes(data))
     except Exception as error:  # safetensors raises its own error type for every malformed body
         raise WireFormatError(f"the safetensors body is malformed: {error}") from None
-    declared = set(header) - {"__metadata__"}
-    used: set[str] = set()
-    message = _restore_tensors(tree, tensors, used, "message", 0)
-    unused = sorted(declared - used)
-    if unused:
-        raise WireFormatError(f"the body holds tensors {unused} that the message does not reference.")
-    return message
+    return _restore_message(tree, tensors, declared=set(header) - {"__metadata__"})
 
 
 def decode_message_view(buffer: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
@@ -246,12 +241,7 @@ def decode_message_view(buffer: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> A
             f"the tensors cover {position} data bytes, the body has {len(view) - start}; the body is truncated or "
             "has trailing bytes."
         )
-    used: set[str] = set()
-    message = _restore_tensors(tree, tensors, used, "message", 0)
-    unused = sorted(set(tensors) - used)
-    if unused:
-        raise WireFormatError(f"the body holds tensors {unused} that the message does not reference.")
-    return message
+    return _restore_message(tree, tensors, declared=set(tensors))
 
 
 def _check_entry(name: str, entry: Any) -> tuple[torch.dtype, list[int], int, int]:
@@ -276,9 +266,7 @@ def _check_entry(name: str, entry: Any) -> tuple[torch.dtype, list[int], int, in
         raise WireFormatError(
             f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end] with 0 <= begin <= end."
         )
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     begin, end = offsets
     if end - begin != numel * dtype.itemsize:
         raise WireFormatError(
@@ -289,9 +277,7 @@ def _check_entry(name: str, entry: Any) -> tuple[torch.dtype, list[int], int, in
 
 
 def _tensor_view(buffer: Any, dtype: torch.dtype, shape: list[int], offset: int) -> torch.Tensor:
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     if offset % dtype.itemsize:
@@ -425,3 +411,13 @@ def _restore_tensors(value: Any, tensors: Mapping[str, torch.Tensor], used: set[
             f"{tensor.dtype} {list(tensor.shape)}; the body was altered after encoding."
         )
     return tensor
+
+
+def _restore_message(tree: Any, tensors: Mapping[str, torch.Tensor], *, declared: set[str]) -> Any:
+    """The message ``tree`` with its tensors back in place; every tensor the body ``declared`` must be used once."""
+    used: set[str] = set()
+    message = _restore_tensors(tree, tensors, used, "message", 0)
+    unused = sorted(declared - used)
+    if unused:
+        raise WireFormatError(f"the body holds tensors {unused} that the message does not reference.")
+    return message
