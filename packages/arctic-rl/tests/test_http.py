@@ -1,9 +1,10 @@
 """The HTTP transport on a local Ray with the small fake engines (fake_engines.py): the server forwards to the same
-service as the Ray client and answers with the same results and exceptions; malformed requests of every endpoint get
-a 4xx and change nothing (hypothesis), and so do bad shared-memory slots; batches through shared-memory slots equal
-the body's bitwise, a server without slots gets the body, and slots leave nothing open; a non-loopback server needs
-its bearer token; oversize bodies get 413; a launched server stops at shutdown, a killed one gives the client a clear
-error, and an engine killed under the server is named by a 503 and by /health."""
+service as the Ray client and answers with the same results and exceptions (and so does the async client over Ray);
+malformed requests of every endpoint get a 4xx and change nothing (hypothesis), and so do bad shared-memory slots;
+batches through shared-memory slots equal the body's bitwise, a server without slots gets the body, and slots leave
+nothing open; a non-loopback server needs its bearer token; oversize bodies get 413; a launched server stops at
+shutdown, a killed one gives the client a clear error, and an engine killed under the server is named by a 503 and by
+/health."""
 
 from __future__ import annotations
 
@@ -32,7 +33,12 @@ from ray_helpers import retry_start  # noqa: E402
 from slot_helpers import memfd_slots, shm_files  # noqa: E402
 
 from arctic_rl.batch import build_grpo_batch, validate_batch  # noqa: E402
-from arctic_rl.client import ArcticRLClient, SyncArcticRLClient, create_arctic_rl_client  # noqa: E402
+from arctic_rl.client import (  # noqa: E402
+    ArcticRLClient,
+    SyncArcticRLClient,
+    attach_arctic_rl_client,
+    create_arctic_rl_client,
+)
 from arctic_rl.config import ArcticRLClientConfig  # noqa: E402
 from arctic_rl.errors import (  # noqa: E402
     ArcticRLError,
@@ -188,6 +194,30 @@ def test_the_async_client_gives_the_same_answers(ray_client: SyncArcticRLClient,
     norms, scored = asyncio.run(run())
     assert norms == ray_client.weight_norm()
     assert_same(scored, ray_client.fwd_no_grad(batch))
+
+
+def test_the_async_client_over_ray_gives_the_same_answers_and_refusals(ray_client: SyncArcticRLClient) -> None:
+    batch = make_batch(ray_client)
+    bad = dict(batch, advantages=batch["advantages"].clone())
+    bad["advantages"][0, 0] = float("nan")
+    client = attach_arctic_rl_client(service_name="http_tests")
+    assert isinstance(client, ArcticRLClient)
+
+    async def run() -> tuple[Any, Any, BatchValidationError]:
+        async with client:
+            norms, scored = await client.weight_norm(), await client.fwd_no_grad(batch)
+            with pytest.raises(BatchValidationError) as refused:
+                await client.fwd_bwd(bad)
+            return norms, scored, refused.value
+
+    norms, scored, refused = asyncio.run(run())
+    assert norms == ray_client.weight_norm()
+    assert_same(scored, ray_client.fwd_no_grad(batch))
+    with pytest.raises(BatchValidationError) as blocking:
+        ray_client.fwd_bwd(bad)
+    assert (refused.key, str(refused)) == (blocking.value.key, str(blocking.value))
+    # An attached client's shutdown leaves the service up.
+    assert ray_client.weight_norm() == norms
 
 
 def test_refusals_are_the_same_exceptions_and_change_nothing(
