@@ -147,7 +147,9 @@ async def control_call_ms(client: Any, repeats: int) -> float:
 class _ImmediateService:
     """The service behind the wire measurement: answers fwd_no_grad at once, so only the HTTP path is timed."""
 
-    def fwd_no_grad(self, batch: dict[str, Any], reference_model: bool, calculate_entropy: bool) -> dict[str, Any]:
+    def fwd_no_grad(
+        self, batch: dict[str, Any], reference_model: bool, calculate_entropy: bool, *, temperature: float = 1.0
+    ) -> dict[str, Any]:
         return {}
 
 
