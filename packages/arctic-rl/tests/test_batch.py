@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from arctic_rl.batch import (
     BATCH_KEYS,
+    ValidatedBatch,
     build_grpo_batch,
+    check_batch,
     grpo_advantages,
     select_rows,
     validate_batch,
@@ -240,3 +242,57 @@ def test_row_helpers_refuse_bad_input() -> None:
     with pytest.raises(IndexError):
         select_rows(batch, [2])
     assert select_rows(batch, [1])["input_ids"].tolist() == [[0, 5, 6, 9, 0]]
+
+
+def test_a_checked_batch_carries_its_limits_through_row_selection() -> None:
+    batch = small_batch()
+    checked = check_batch(batch, vocab_size=10, require=("old_log_probs", "advantages"), max_length=8)
+    plain = validate_batch(batch, vocab_size=10, require=("old_log_probs", "advantages"), max_length=8)
+    assert set(checked) == set(plain)
+    assert all(torch.equal(checked[key], plain[key]) for key in plain)
+    share = checked.select([1])
+    assert isinstance(share, ValidatedBatch) and share["input_ids"].tolist() == [[0, 5, 6, 9, 0]]
+    assert share.covers(vocab_size=10, max_length=8, require=("old_log_probs", "advantages"))
+    # Checked against at least as strict limits: covered. Looser or missing limits, or more keys: not covered.
+    assert share.covers(vocab_size=12, max_length=None, require=("advantages",))
+    assert not share.covers(vocab_size=9, max_length=8, require=())
+    assert not share.covers(vocab_size=10, max_length=7, require=())
+    assert not share.covers(vocab_size=10, max_length=8, require=("ref_log_prob",))
+    unlimited = check_batch(batch, vocab_size=None, require=(), max_length=None)
+    assert not unlimited.covers(vocab_size=10, max_length=None, require=())
+    assert not unlimited.covers(vocab_size=None, max_length=8, require=())
+    dropped = checked.without("old_log_probs")
+    assert "old_log_probs" not in dropped
+    assert not dropped.covers(vocab_size=10, max_length=8, require=("old_log_probs",))
+    assert dropped.covers(vocab_size=10, max_length=8, require=("advantages",))
+
+
+def test_an_engine_checks_every_batch_its_limits_are_not_covered_for() -> None:
+    from types import SimpleNamespace
+
+    from arctic_rl.engines.deepspeed_base import DeepSpeedModelEngine
+
+    engine = SimpleNamespace(vocab_size=10, max_positions=8, device=torch.device("cpu"))
+    out_of_vocabulary = small_batch()
+    out_of_vocabulary["responses"][0, 0] = 9
+    out_of_vocabulary["input_ids"][0, 3] = 9
+    checked_for_a_larger_vocabulary = check_batch(out_of_vocabulary, vocab_size=12, require=(), max_length=8)
+    # The same message a plain batch gets: the engine's own check ran.
+    for batch in (out_of_vocabulary, checked_for_a_larger_vocabulary):
+        with pytest.raises(BatchValidationError, match=r"outside the model's vocabulary \[0, 9\)"):
+            DeepSpeedModelEngine._validate(
+                SimpleNamespace(vocab_size=9, max_positions=8, device=torch.device("cpu")),
+                batch,
+                require=(),
+            )
+    # A batch the service checked against these limits is taken as checked (the one check of the request): the
+    # tensors come back as they were, not copies made by a second validation.
+    covered = check_batch(small_batch(), vocab_size=10, require=("advantages",), max_length=8).select([0, 1])
+    taken = DeepSpeedModelEngine._validate(engine, covered, require=("advantages",))
+    assert all(taken[key] is covered[key] for key in covered)
+    # A plain dict with the same content is validated (and so copied into fresh tensors).
+    plain = dict(covered)
+    validated = DeepSpeedModelEngine._validate(engine, plain, require=("advantages",))
+    assert not any(validated[key] is plain[key] for key in ("input_ids", "responses"))
+    with pytest.raises(BatchValidationError, match="ref_log_prob"):
+        DeepSpeedModelEngine._validate(engine, covered, require=("advantages", "ref_log_prob"))

@@ -15,7 +15,8 @@ The samples of one prompt are contiguous rows (a group), which is what GRPO and 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,10 @@ __all__ = [
     "BATCH_KEYS",
     "FLOAT_KEYS",
     "REQUIRED_KEYS",
+    "ValidatedBatch",
     "batch_size",
     "build_grpo_batch",
+    "check_batch",
     "grpo_advantages",
     "select_rows",
     "validate_batch",
@@ -151,6 +154,60 @@ def validate_batch(
             "response_mask", "is 0 everywhere: a training batch needs at least one response token to train on."
         )
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class ValidatedBatch(Mapping[str, torch.Tensor]):
+    """A batch that passed :func:`validate_batch` (read-only), with the limits it was checked against.
+
+    The service checks a request's batch once and sends each engine its rows as a ``ValidatedBatch``; an engine
+    skips its own check only when :meth:`covers` says this one was at least as strict. Selecting rows or dropping a
+    key keeps every per-row guarantee (shapes, padding, masks, token range, finite values), so :meth:`select` and
+    :meth:`without` keep the proof. Not kept: a training batch's "at least one response token", which holds for the
+    whole batch, not for each share of it (the service checks the whole step's token count).
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    vocab_size: int | None
+    max_length: int | None
+    required: frozenset[str]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def covers(self, *, vocab_size: int | None, max_length: int | None, require: Collection[str]) -> bool:
+        """Whether ``validate_batch(self, vocab_size=..., max_length=..., require=...)`` is implied by this check
+        (up to the batch-wide response-token rule above)."""
+        vocab_ok = vocab_size is None or (self.vocab_size is not None and self.vocab_size <= vocab_size)
+        length_ok = max_length is None or (self.max_length is not None and self.max_length <= max_length)
+        return vocab_ok and length_ok and set(require) <= self.required
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> ValidatedBatch:
+        """The rows ``rows`` (see :func:`select_rows`), still validated."""
+        return ValidatedBatch(select_rows(self.tensors, rows), self.vocab_size, self.max_length, self.required)
+
+    def without(self, key: str) -> ValidatedBatch:
+        """The batch less ``key`` (no longer required), still validated."""
+        tensors = {name: value for name, value in self.tensors.items() if name != key}
+        return ValidatedBatch(tensors, self.vocab_size, self.max_length, self.required - {key})
+
+
+def check_batch(
+    batch: Mapping[str, Any],
+    *,
+    vocab_size: int | None,
+    require: Collection[str],
+    max_length: int | None,
+) -> ValidatedBatch:
+    """:func:`validate_batch`, returning the checked tensors with the limits they were checked against."""
+    checked = validate_batch(batch, vocab_size=vocab_size, require=require, max_length=max_length)
+    return ValidatedBatch(checked, vocab_size, max_length, frozenset(require))
 
 
 def _as_tensor(key: str, value: Any) -> torch.Tensor:

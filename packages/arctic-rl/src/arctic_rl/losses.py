@@ -110,6 +110,16 @@ class LossNeeds:
     ref_log_probs: bool = False
     rollout_log_probs: bool = False
 
+    def batch_keys(self, *, old_log_probs_from_forward: bool) -> tuple[str, ...]:
+        """The optional batch keys a training batch must hold for this loss (what ``fwd_bwd`` checks, in the service
+        and in a directly called engine alike); ``old_log_probs`` are not needed when the forward provides them."""
+        keys = ["advantages"] if old_log_probs_from_forward else ["old_log_probs", "advantages"]
+        if self.ref_log_probs:
+            keys.append("ref_log_prob")
+        if self.rollout_log_probs:
+            keys.append("rollout_log_probs")
+        return tuple(keys)
+
 
 LossFn = Callable[[LossInputs, Mapping[str, Any]], LossOutput]
 

@@ -245,9 +245,21 @@ class DeepSpeedModelEngine:
         """The batch checked on the host, then moved to the engine's device in one copy: planning and micro-batch
         selection run on the device (on a GPU host, torch's multi-threaded CPU ops on [B, S] tensors cost 10-100 ms
         a step and varied run to run; on the device they take a few ms)."""
-        from arctic_rl.batch import validate_batch
+        from arctic_rl.batch import ValidatedBatch, validate_batch
 
-        checked = validate_batch(batch, vocab_size=self.vocab_size, require=require, max_length=self.max_positions)
+        # A batch is checked once per request. Through the service, the check lives there: it sees the whole
+        # batch (errors name the user's rows, and a refused batch reaches no rank, so no rank is left with half a
+        # step), and each rank receives its rows as a ValidatedBatch, taken as is when its check was at least as
+        # strict as this engine's limits. Any other batch (a direct caller's, or one checked for other limits) is
+        # checked here, so an engine called directly is as safe as through the service. Outside input never
+        # arrives pre-checked: the HTTP server and the clients decode plain dicts, and the service checks
+        # whatever it receives.
+        if isinstance(batch, ValidatedBatch) and batch.covers(
+            vocab_size=self.vocab_size, max_length=self.max_positions, require=require
+        ):
+            checked: Mapping[str, torch.Tensor] = batch
+        else:
+            checked = validate_batch(batch, vocab_size=self.vocab_size, require=require, max_length=self.max_positions)
         return {name: value.to(self.device) for name, value in checked.items()}
 
     def _plan(self, batch: Mapping[str, torch.Tensor], *, for_training: bool) -> EngineMicroBatches:

@@ -251,17 +251,10 @@ class TrainingEngine(DeepSpeedModelEngine):
                     f"{name} must be a finite number > 0 (the whole step's count over every call and rank), got "
                     f"{value!r}."
                 )
-        require = ["advantages"] if old_log_probs_from_forward else ["old_log_probs", "advantages"]
         if old_log_probs_from_forward:
             self._check_old_log_probs_from_forward()
-        if needs.ref_log_probs:
-            require.append("ref_log_prob")
-        if needs.rollout_log_probs:
-            require.append("rollout_log_probs")
-        checked = self._validate(batch, require=tuple(require))
+        checked = self._validate(batch, require=needs.batch_keys(old_log_probs_from_forward=old_log_probs_from_forward))
         width = int(checked["responses"].shape[1])
-        if checked["advantages"].dim() == 1:
-            checked["advantages"] = checked["advantages"].unsqueeze(1).expand(-1, width).contiguous()
         plan = self._plan(checked, for_training=True)
         # Agree on the pass count before the first pass: the count's all-reduce must not meet a parameter gather.
         padding = self._micro_batches_to_pad(len(plan.samples))

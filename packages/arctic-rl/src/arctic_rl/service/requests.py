@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from arctic_rl.errors import BatchValidationError, ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from arctic_rl.losses import LossNeeds
 
 __all__ = [
     "check_checkpoint_arguments",
@@ -45,8 +48,9 @@ def split_for_data_parallel(batch: Mapping[str, torch.Tensor], num_ranks: int) -
     return partition_for_data_parallel(groups, num_ranks)
 
 
-def parse_processing(processing: Mapping[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    """The loss's registered name and its options; an unknown loss or a bad option is refused here."""
+def parse_processing(processing: Mapping[str, Any] | None) -> tuple[str, dict[str, Any], LossNeeds]:
+    """The loss's registered name, its options and what it needs of the batch; an unknown loss or a bad option is
+    refused here."""
     from arctic_rl.losses import get_loss_fn
 
     processing = {} if processing is None else processing
@@ -70,8 +74,7 @@ def parse_processing(processing: Mapping[str, Any] | None) -> tuple[str, dict[st
     if raw_config is not None and not all(isinstance(key, str) for key in raw_config):
         raise InvalidRequestError("processing.config", "keys must be option names (strings).")
     config = dict(raw_config or {})
-    get_loss_fn(name).parse_config(config)
-    return name, config
+    return name, config, get_loss_fn(name).needs(config)
 
 
 def check_flag(name: str, value: Any) -> None:

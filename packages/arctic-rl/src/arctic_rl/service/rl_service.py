@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from arctic_rl.batch import select_rows
+from arctic_rl.batch import ValidatedBatch, check_batch
 from arctic_rl.engines.protocols import LogProbEngineProtocol, SamplingEngineProtocol, TrainingEngineProtocol
 from arctic_rl.errors import BatchValidationError, ConfigError, EngineStateError, InvalidRequestError
 from arctic_rl.metrics import logprob_mismatch
@@ -166,10 +166,10 @@ class RLService:
             )
         return checked
 
-    def _validated(self, batch: Mapping[str, Any], require: Sequence[str]) -> dict[str, torch.Tensor]:
-        from arctic_rl.batch import validate_batch
-
-        return validate_batch(
+    def _validated(self, batch: Mapping[str, Any], require: Sequence[str]) -> ValidatedBatch:
+        # The request's one check of its batch; the engines take the rows they get as checked (see
+        # DeepSpeedModelEngine._validate for why the check lives here).
+        return check_batch(
             batch, vocab_size=self.engines.vocab_size, require=tuple(require), max_length=self.engines.max_positions
         )
 
@@ -202,7 +202,7 @@ class RLService:
                     self.calls.start(
                         handle,
                         LogProbEngineProtocol.fwd_no_grad,
-                        select_rows(valid, share),
+                        valid.select(share),
                         calculate_entropy=calculate_entropy,
                         temperature=temperature,
                     )
@@ -244,12 +244,12 @@ class RLService:
         self._require_open()
         check_flag("old_log_probs_from_forward", old_log_probs_from_forward)
         check_temperature(temperature)
-        loss_name, loss_config = parse_processing(processing)
-        require = ("advantages",) if old_log_probs_from_forward else ("old_log_probs", "advantages")
+        loss_name, loss_config, needs = parse_processing(processing)
+        require = needs.batch_keys(old_log_probs_from_forward=old_log_probs_from_forward)
         valid = self._validated(batch, require=require)
         if old_log_probs_from_forward:
             # Not used (build_grpo_batch fills them with the sampler's): the trainer's own forward provides them.
-            valid.pop("old_log_probs", None)
+            valid = valid.without("old_log_probs")
         self.states.require_awake("training", "fwd_bwd()")
         shares = split_for_data_parallel(valid, len(self.engines.training))
         global_tokens, global_sequences = count_loss_denominators(valid["response_mask"])
@@ -262,7 +262,7 @@ class RLService:
                     self.calls.start(
                         handle,
                         TrainingEngineProtocol.fwd_bwd,
-                        select_rows(valid, share),
+                        valid.select(share),
                         loss_name=loss_name,
                         loss_config=loss_config,
                         global_tokens=global_tokens,
