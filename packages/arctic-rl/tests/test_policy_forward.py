@@ -50,3 +50,18 @@ def test_every_sample_once_and_the_budget_counts_the_tokens_the_model_runs(dedup
     else:
         # Without ZoRRO a group's samples cost their prompt copies: the same budget needs more micro-batches.
         assert len(plan.samples) > len(plan_engine_micro_batches(batch, token_budget=budget).samples)
+
+
+def test_the_service_split_and_the_micro_batches_keep_the_same_prompt_groups_whole() -> None:
+    from arctic_rl.engines.policy_forward import batch_prompt_groups
+    from arctic_rl.service import split_for_data_parallel
+
+    batch = make_batch(batch_size=12, prompts=4, prompt_len=20, seed=6)
+    groups = batch_prompt_groups(batch)
+    assert groups == _groups(batch) and len(groups) == 4
+    members = [set(group.samples) for group in groups]
+    shares = split_for_data_parallel(batch, 2)
+    assert sorted(sample for share in shares for sample in share) == list(range(12))
+    plan = plan_engine_micro_batches(batch, token_budget=10_000, num_micro_batches=3)
+    for part in [*shares, *plan.samples]:
+        assert all(group <= set(part) or not group & set(part) for group in members)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from arctic_dedup.plan.grouping import RowGroups, group_rows
+from arctic_dedup.plan.grouping import RowGroups, group_prompts
 from arctic_dedup.plan.layout import SampleLayout
 
 __all__ = [
@@ -73,7 +73,7 @@ class MicroBatch:
 def prompt_groups(layout: SampleLayout, groups: RowGroups | None = None) -> list[PromptGroup]:
     """Group a batch's samples by identical prompts (valid token ids and positions), in order of first appearance."""
     if groups is None:
-        groups = group_rows(layout.prompt_key_rows())
+        groups = group_prompts(layout)
     prompt_lengths = layout.prompt_lengths.tolist()
     response_lengths = layout.response_lengths.tolist()
     return [

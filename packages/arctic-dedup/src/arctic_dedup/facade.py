@@ -20,7 +20,7 @@ import torch
 from arctic_dedup._triton_support import Backend
 from arctic_dedup.errors import BatchLayoutError
 from arctic_dedup.packing.rows import gather_rows
-from arctic_dedup.plan.grouping import group_rows
+from arctic_dedup.plan.grouping import group_prompts
 from arctic_dedup.plan.index_map import IndexMap
 from arctic_dedup.plan.layout import SampleLayout
 
@@ -100,10 +100,9 @@ class ZoRRoTrain:
         prompt_width = layout.prompt_width
         assert prompt_width is not None
         prompts = input_ids[:, :prompt_width]
-        key = prompts.long()
-        if attention_mask is not None:
-            key = torch.cat([key, attention_mask[:, :prompt_width].long().to(key.device)], dim=1)
-        groups = group_rows(key)
+        # Left padding is checked by the layout, so a prompt's length fixes its mask: equal valid tokens and
+        # lengths plus equal ids at padding is equal ids and mask over the padded block.
+        groups = group_prompts(layout, padded_prompts=prompts)
         return groups.members(), prompts[groups.first_member]
 
     @staticmethod

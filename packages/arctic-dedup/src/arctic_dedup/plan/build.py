@@ -24,7 +24,7 @@ import torch
 
 from arctic_dedup.errors import BatchLayoutError, PlanError
 from arctic_dedup.plan.attention_meta import VarlenParams, build_varlen_params
-from arctic_dedup.plan.grouping import group_rows, hash_int64
+from arctic_dedup.plan.grouping import group_prompts, hash_int64
 from arctic_dedup.plan.index_map import IndexMap
 from arctic_dedup.plan.layout import SampleLayout
 
@@ -140,7 +140,7 @@ def _prompt_classes(layout: SampleLayout, token_sample: torch.Tensor, offset: to
     """Prefix classes for ``"prompt"`` sharing: prompt token t of group g -> (g, t); responses unique."""
     widest = int(layout.prompt_lengths.max())
     in_prompt = offset < layout.prompt_lengths[token_sample]
-    groups = group_rows(layout.prompt_key_rows())
+    groups = group_prompts(layout)
     prompt_class = groups.group_index[token_sample] * widest + offset
     unique_class = groups.num_groups * widest + torch.arange(layout.num_tokens, device=layout.device)
     return torch.where(in_prompt, prompt_class, unique_class)

@@ -7,10 +7,14 @@ grouping, so the result is always exact. Everything is vectorized on the rows' d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["RowGroups", "group_rows", "hash_int64"]
+if TYPE_CHECKING:
+    from arctic_dedup.plan.layout import SampleLayout
+
+__all__ = ["RowGroups", "group_prompts", "group_rows", "hash_int64"]
 
 # Odd 64-bit multipliers (as signed int64) for a splitmix64-style finalizer.
 _MIX_1 = 0x5851F42D4C957F2D
@@ -89,3 +93,17 @@ def group_rows(rows: torch.Tensor, seed: int = 0) -> RowGroups:
     # A hash collision merged different rows: fall back to an exact lexicographic grouping.
     unique_rows, inverse = torch.unique(rows, dim=0, return_inverse=True)
     return _relabel_by_first_appearance(inverse, int(unique_rows.shape[0]))
+
+
+def group_prompts(layout: SampleLayout, padded_prompts: torch.Tensor | None = None) -> RowGroups:
+    """The samples of ``layout`` that share a prompt: the one definition of "the same prompt" for every planner,
+    balancer and facade in these packages (and arctic-rl's, which builds on them).
+
+    Two samples share a prompt when their prompts have the same valid token ids, position ids and length.
+    ``padded_prompts`` ``[B, P]`` (a padded batch's prompt block): they must also hold the same ids at padding, for
+    a caller that copies the padded block of a group's first sample for all of them (the seed facade).
+    """
+    key = layout.prompt_key_rows()
+    if padded_prompts is not None:
+        key = torch.cat([key, padded_prompts.long().to(key.device)], dim=1)
+    return group_rows(key)

@@ -19,6 +19,7 @@ from arctic_dedup.plan.layout import SampleLayout, default_position_ids
 __all__ = [
     "EngineMicroBatches",
     "ResponseOutputs",
+    "batch_prompt_groups",
     "forward_responses",
     "plan_engine_micro_batches",
     "select_samples",
@@ -88,6 +89,15 @@ def forward_responses(
     )
 
 
+def batch_prompt_groups(batch: Batch) -> list[PromptGroup]:
+    """The padded batch's prompt groups, by arctic-dedup's one definition of samples that share a prompt: what the
+    service's data-parallel split and the engines' micro-batches both keep whole."""
+    layout = SampleLayout.from_padded(
+        batch["input_ids"], int(batch["responses"].shape[1]), batch["attention_mask"], batch.get("position_ids")
+    )
+    return prompt_groups(layout)
+
+
 @dataclass(frozen=True)
 class EngineMicroBatches:
     """Sample indices of each micro-batch (ascending inside one), and the batch's token counts without and with
@@ -138,9 +148,7 @@ def plan_engine_micro_batches(
     ``deduplicated=False`` (ZoRRO off: every sample runs its own prompt copy) plans each sample as its own group,
     so budgets and balance count the tokens the model really runs and ``dedup_tokens == base_tokens``.
     """
-    width = int(batch["responses"].shape[1])
-    layout = SampleLayout.from_padded(batch["input_ids"], width, batch["attention_mask"], batch.get("position_ids"))
-    groups = prompt_groups(layout)
+    groups = batch_prompt_groups(batch)
     if not deduplicated:
         groups = [
             PromptGroup(samples=(sample,), prompt_length=group.prompt_length, response_lengths=(length,))

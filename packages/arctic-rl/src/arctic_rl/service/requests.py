@@ -27,18 +27,12 @@ DEFAULT_LOSS = "grpo"
 
 def split_for_data_parallel(batch: Mapping[str, torch.Tensor], num_ranks: int) -> list[list[int]]:
     """Each data-parallel rank's sample indices (ascending), whole prompt groups balanced by deduplicated tokens."""
-    from arctic_dedup.balance import partition_for_data_parallel, prompt_groups
-    from arctic_dedup.plan.layout import SampleLayout
+    from arctic_dedup.balance import partition_for_data_parallel
+    from arctic_rl.engines.policy_forward import batch_prompt_groups
 
     if num_ranks == 1:
         return [list(range(int(batch["input_ids"].shape[0])))]
-    layout = SampleLayout.from_padded(
-        batch["input_ids"],
-        int(batch["responses"].shape[1]),
-        batch["attention_mask"],
-        batch.get("position_ids"),
-    )
-    groups = prompt_groups(layout)
+    groups = batch_prompt_groups(batch)
     if len(groups) < num_ranks:
         raise BatchValidationError(
             "input_ids",
