@@ -13,14 +13,16 @@ lists those, and later calls that need them are refused at once.
 
 The service runs as a named Ray actor (:func:`start_service`), so another process can attach to it by name
 (:func:`attach_service`); nothing else in the package holds engine state. Its parts, one concern each:
-:mod:`.rl_service` (the operations), :mod:`.lifecycle` (placement, start and stop), :mod:`.engine_calls` (typed,
-time-limited engine calls and dead engines), :mod:`.weight_sync` (trainer -> samplers), :mod:`.sleep` (sleep
-states), :mod:`.step_metrics` (a step's metrics), :mod:`.requests` (argument checks, the data-parallel split) and
+:mod:`.rl_service` (the service: lifecycle, dispatch by name, ``train_step``), its operations by concern
+(:mod:`.generation`, :mod:`.training`, :mod:`.weights`, :mod:`.sleep_wake`) over the shared state of :mod:`.base`,
+:mod:`.lifecycle` (placement, start and stop), :mod:`.dispatch` (a request spread over engines and merged back),
+:mod:`.engine_calls` (typed, time-limited engine calls and dead engines), :mod:`.weight_sync` (trainer -> samplers),
+:mod:`.sleep` (sleep states), :mod:`.step_metrics` (a step's metrics), :mod:`.requests` (argument checks) and
 :mod:`.actor` (the named Ray actor).
 """
 
 from arctic_rl.service.actor import DEFAULT_SERVICE_NAME, SERVICE_NAMESPACE, attach_service, start_service
-from arctic_rl.service.requests import split_for_data_parallel
+from arctic_rl.service.dispatch import split_for_data_parallel
 from arctic_rl.service.rl_service import RLService
 
 __all__ = [

@@ -1,5 +1,4 @@
-"""Checks of an operation's arguments that need more than its body model, run before any engine is called, and the
-data-parallel split of a batch."""
+"""Checks of an operation's arguments that need more than its body model, run before any engine is called."""
 
 from __future__ import annotations
 
@@ -7,9 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from arctic_rl.errors import BatchValidationError, ConfigError, InvalidRequestError
+from arctic_rl.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from arctic_rl.losses import LossNeeds
@@ -19,27 +16,9 @@ __all__ = [
     "check_flag",
     "check_temperature",
     "parse_processing",
-    "split_for_data_parallel",
 ]
 
 DEFAULT_LOSS = "grpo"
-
-
-def split_for_data_parallel(batch: Mapping[str, torch.Tensor], num_ranks: int) -> list[list[int]]:
-    """Each data-parallel rank's sample indices (ascending), whole prompt groups balanced by deduplicated tokens."""
-    from arctic_dedup.balance import partition_for_data_parallel
-    from arctic_rl.engines.policy_forward import batch_prompt_groups
-
-    if num_ranks == 1:
-        return [list(range(int(batch["input_ids"].shape[0])))]
-    groups = batch_prompt_groups(batch)
-    if len(groups) < num_ranks:
-        raise BatchValidationError(
-            "input_ids",
-            f"the batch has {len(groups)} distinct prompts and training runs {num_ranks} data-parallel ranks; every "
-            f"rank needs at least one whole prompt group. Send at least {num_ranks} prompts per step.",
-        )
-    return partition_for_data_parallel(groups, num_ranks)
 
 
 def parse_processing(processing: Mapping[str, Any] | None) -> tuple[str, dict[str, Any], LossNeeds]:
