@@ -1,6 +1,7 @@
-"""The training and log-prob engines' operations: ``fwd_no_grad``, ``fwd_bwd`` and ``step``. A batch is checked
-once, split over the data-parallel ranks by whole prompt groups, and the loss denominators are counted once over the
-whole batch; the step's metrics are finished when the optimizer steps."""
+"""The training and log-prob engines' operations: ``fwd_no_grad``, ``fwd_bwd`` and ``step``, and the parsing of
+``fwd_bwd``'s loss (``processing``). A batch is checked once, split over the data-parallel ranks by whole prompt
+groups, and the loss denominators are counted once over the whole batch; the step's metrics are finished when the
+optimizer steps."""
 
 from __future__ import annotations
 
@@ -11,16 +12,48 @@ import torch
 
 from arctic_rl.batch import ValidatedBatch, check_batch
 from arctic_rl.engines.protocols import LogProbEngineProtocol, SamplingEngineProtocol, TrainingEngineProtocol
-from arctic_rl.errors import BatchValidationError, ConfigError
+from arctic_rl.errors import BatchValidationError, ConfigError, InvalidRequestError
 from arctic_rl.metrics import logprob_mismatch
 from arctic_rl.service.base import ServiceBase
 from arctic_rl.service.dispatch import merge_rows, split_for_data_parallel
-from arctic_rl.service.requests import check_flag, check_temperature, parse_processing
+from arctic_rl.service.requests import check_flag, check_temperature
 
 if TYPE_CHECKING:
     from arctic_rl.actors import EngineHandle
+    from arctic_rl.losses import LossNeeds
 
-__all__ = ["TrainingOperations"]
+__all__ = ["TrainingOperations", "parse_processing"]
+
+DEFAULT_LOSS = "grpo"
+
+
+def parse_processing(processing: Mapping[str, Any] | None) -> tuple[str, dict[str, Any], LossNeeds]:
+    """The loss's registered name, its options and what it needs of the batch; an unknown loss or a bad option is
+    refused here."""
+    from arctic_rl.losses import get_loss_fn
+
+    processing = {} if processing is None else processing
+    if not isinstance(processing, Mapping):
+        raise ConfigError(
+            f"processing must be a dict like {{'loss_fn': 'grpo', 'config': {{...}}}}, got {type(processing).__name__}."
+        )
+    unknown = set(processing) - {"loss_fn", "config"}
+    if unknown:
+        raise ConfigError(f"processing accepts the keys 'loss_fn' and 'config', got also {sorted(unknown)}.")
+    name = processing.get("loss_fn", DEFAULT_LOSS)
+    if not isinstance(name, str):
+        raise InvalidRequestError(
+            "processing.loss_fn", f"must be the name of a registered loss (a string), got {type(name).__name__}."
+        )
+    raw_config = processing.get("config")
+    if raw_config is not None and not isinstance(raw_config, Mapping):
+        raise InvalidRequestError(
+            "processing.config", f"must be a dict of the loss's options, got {type(raw_config).__name__}."
+        )
+    if raw_config is not None and not all(isinstance(key, str) for key in raw_config):
+        raise InvalidRequestError("processing.config", "keys must be option names (strings).")
+    config = dict(raw_config or {})
+    return name, config, get_loss_fn(name).needs(config)
 
 
 class TrainingOperations(ServiceBase):
