@@ -65,7 +65,7 @@ def _common_metadata(batch: Any) -> Any:
     )
 
 
-def _planner(batch: Any, num_heads: int, on_cpu: bool = False, **knobs: int | None) -> Any:
+def _planner(batch: Any, num_heads: int, on_cpu: bool = False, **knobs: int) -> Any:
     from arctic_fca.config import FcaConfig
     from arctic_fca.planner import ForestPlanner
 
@@ -102,14 +102,6 @@ def test_cuda_side_planner_and_impl_match_reference(backend: str, physical: str)
     fields = metadata_class.__dataclass_fields__
     assert "fca" in fields and "block_table" in fields
     assert set(_standard_class(backend, "Metadata").__dataclass_fields__) < set(fields)
-
-
-def test_max_groups_reaches_the_planner_with_forest_groupings_meaning() -> None:
-    # Two groups in this step: None is no limit, a limit below 2 (0 included) leaves the step ungrouped.
-    batch = make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3)
-    for max_groups, groups in ((None, 2), (2, 2), (1, 0), (0, 0)):
-        plan = _planner(batch, num_heads=8, max_groups=max_groups).plan(_common_metadata(batch))
-        assert plan is not None and int(plan.num_groups) == groups, max_groups
 
 
 def test_planner_sends_long_queries_and_small_batches_to_standard_attention() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import pytest
 
 import arctic_fca
@@ -55,20 +53,14 @@ def test_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ARCTIC_FCA", "1")
     monkeypatch.setenv("ARCTIC_FCA_MAX_QUERY_LEN", "4")
     monkeypatch.setenv("ARCTIC_FCA_MIN_GROUP_SIZE", "3")
-    monkeypatch.setenv("ARCTIC_FCA_MIN_PREFIX_BLOCKS", "2")
-    monkeypatch.setenv("ARCTIC_FCA_MIN_GROUPED_FRACTION", "0.5")
-    monkeypatch.setenv("ARCTIC_FCA_MAX_GROUPS", "7")
+    monkeypatch.setenv("ARCTIC_FCA_MIN_ADDITIONAL_PREFIX_BLOCKS", "2")
+    monkeypatch.setenv("ARCTIC_FCA_MIN_NON_SINGLETON_FRACTION", "0.5")
+    monkeypatch.setenv("ARCTIC_FCA_MAX_NON_SINGLETON_GROUPS", "7")
     config = FcaConfig.from_env()
     assert config == FcaConfig(True, 4, 3, 2, 0.5, 7)
     grouping = config.grouping()
-    assert (grouping.min_group_size, grouping.min_prefix_blocks, grouping.min_grouped_fraction) == (3, 2, 0.5)
-    assert grouping.max_groups == 7
+    assert (grouping.min_group_size, grouping.min_prefix_blocks, grouping.max_groups) == (3, 2, 7)
     assert FcaConfig().grouping().max_groups is None
-    # max_groups means what ForestGrouping.max_groups means: None no limit, 0 no group.
-    for raw, expected in (("none", None), ("", None), ("0", 0)):
-        monkeypatch.setenv("ARCTIC_FCA_MAX_GROUPS", raw)
-        assert FcaConfig.from_env().max_groups == expected
-        assert FcaConfig.from_env().grouping().max_groups == expected
 
 
 def test_bad_values_say_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,34 +112,3 @@ def test_enabled_is_the_deprecated_name_of_enable() -> None:
     with pytest.warns(DeprecationWarning, match="renamed FcaConfig.enable"):
         assert FcaConfig(enable=True).enabled
     assert "enabled" not in repr(FcaConfig())
-
-
-def test_the_earlier_knob_names_still_work_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    from arctic_fca.config import RENAMED_KNOBS
-
-    assert set(RENAMED_KNOBS.values()) <= {field.name for field in fields(FcaConfig)}
-    with pytest.warns(DeprecationWarning, match="'max_non_singleton_groups' is renamed 'max_groups'"):
-        # The earlier 0 meant no limit: it is None now, not 0 (which groups nothing).
-        assert FcaConfig(max_non_singleton_groups=0) == FcaConfig(max_groups=None)
-    with pytest.warns(DeprecationWarning):
-        assert FcaConfig(max_non_singleton_groups=5).max_groups == 5
-    with pytest.warns(DeprecationWarning, match="renamed 'min_prefix_blocks'"):
-        assert FcaConfig(min_additional_prefix_blocks=3).min_prefix_blocks == 3
-    with pytest.warns(DeprecationWarning, match="renamed 'min_grouped_fraction'"):
-        assert FcaConfig(min_non_singleton_fraction=0.25).min_grouped_fraction == 0.25
-    with pytest.raises(TypeError, match="no_such_knob"):
-        FcaConfig(no_such_knob=1)
-    for name in [name for name in os.environ if name.startswith("ARCTIC_FCA_")]:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("ARCTIC_FCA_MIN_ADDITIONAL_PREFIX_BLOCKS", "2")
-    monkeypatch.setenv("ARCTIC_FCA_MIN_NON_SINGLETON_FRACTION", "0.5")
-    monkeypatch.setenv("ARCTIC_FCA_MAX_NON_SINGLETON_GROUPS", "0")
-    with pytest.warns(DeprecationWarning):
-        assert FcaConfig.from_env() == FcaConfig(min_prefix_blocks=2, min_grouped_fraction=0.5, max_groups=None)
-    # The current variable wins over an earlier one (arctic-rl always writes the current ones).
-    monkeypatch.setenv("ARCTIC_FCA_MAX_GROUPS", "0")
-    monkeypatch.setenv("ARCTIC_FCA_MIN_PREFIX_BLOCKS", "4")
-    monkeypatch.setenv("ARCTIC_FCA_MIN_GROUPED_FRACTION", "0.75")
-    assert FcaConfig.from_env() == FcaConfig(min_prefix_blocks=4, min_grouped_fraction=0.75, max_groups=0)

@@ -214,9 +214,9 @@ def test_fca_section_mirrors_fca_config_through_the_environment(monkeypatch: pyt
         enable=True,
         max_query_len=3,
         min_group_size=4,
-        min_grouped_fraction=0.5,
-        max_groups=7,
-        min_prefix_blocks=2,
+        min_non_singleton_fraction=0.5,
+        max_non_singleton_groups=7,
+        min_additional_prefix_blocks=2,
         log_interval=9,
     )
     for name, value in section.environment().items():
@@ -229,36 +229,10 @@ def test_fca_section_mirrors_fca_config_through_the_environment(monkeypatch: pyt
             assert getattr(parsed, name) == getattr(section, name)
     from dataclasses import fields
 
-    from arctic_rl.config import _RENAMED_FCA_KNOBS
-
-    assert _RENAMED_FCA_KNOBS == fca_config.RENAMED_KNOBS
     # One schema: the same knobs under the same names with the same defaults.
     assert {field.name: field.default for field in fields(fca_config.FcaConfig)} == {
         name: field.default for name, field in FcaSection.model_fields.items()
     }
-    # max_groups means ForestGrouping.max_groups from the section to the planner: None no limit, 0 no group.
-    for max_groups in (None, 0, 3):
-        for name, value in FcaSection(enable=True, max_groups=max_groups).environment().items():
-            monkeypatch.setenv(name, value)
-        parsed = fca_config.FcaConfig.from_env()
-        assert parsed.max_groups == max_groups and parsed.grouping().max_groups == max_groups
-
-
-def test_fca_section_takes_the_earlier_knob_names_with_a_warning() -> None:
-    with pytest.warns(DeprecationWarning, match="max_non_singleton_groups is renamed fca.max_groups"):
-        # The earlier 0 meant no limit: it is None now (0 groups nothing).
-        assert FcaSection(max_non_singleton_groups=0).max_groups is None
-    with pytest.warns(DeprecationWarning):
-        assert FcaSection(max_non_singleton_groups=4).max_groups == 4
-    with pytest.warns(DeprecationWarning, match="renamed fca.min_prefix_blocks"):
-        assert FcaSection(min_additional_prefix_blocks=3).min_prefix_blocks == 3
-    with pytest.warns(DeprecationWarning, match="renamed fca.min_grouped_fraction"):
-        config = make(fca={"min_non_singleton_fraction": 0.5})
-    assert config.fca.min_grouped_fraction == 0.5
-    with pytest.raises(ValidationError, match="keep only 'max_groups'"):
-        FcaSection(max_groups=1, max_non_singleton_groups=2)
-    with pytest.raises(ValidationError, match="did you mean"):
-        FcaSection(max_group=1)
 
 
 json_values = st.recursive(
@@ -322,7 +296,7 @@ def configs(draw: st.DrawFn) -> ArcticRLClientConfig:
             "dtype": draw(st.sampled_from([None, "float32", "bfloat16"])),
             "engine_args": {"enable_prefix_caching": draw(st.booleans()), "other": draw(json_values)},
         },
-        fca={"enable": draw(st.booleans()), "min_grouped_fraction": draw(st.floats(0, 1))},
+        fca={"enable": draw(st.booleans()), "min_non_singleton_fraction": draw(st.floats(0, 1))},
         weight_sync={"method": draw(st.sampled_from(methods)), "bucket_mb": draw(st.integers(1, 4096))},
     )
 

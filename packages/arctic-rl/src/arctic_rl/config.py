@@ -11,7 +11,6 @@ import difflib
 import json
 import math
 import re
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -220,19 +219,8 @@ class SamplingConfig(_Section):
         return engine_args
 
 
-# Earlier names of three FCA knobs -> their names now (arctic_fca.config.RENAMED_KNOBS, which a test compares with
-# this; the client does not need arctic-fca installed). ``max_groups`` None is no limit, 0 groups nothing, where
-# ``max_non_singleton_groups`` used 0 for no limit.
-_RENAMED_FCA_KNOBS: dict[str, str] = {
-    "min_additional_prefix_blocks": "min_prefix_blocks",
-    "min_non_singleton_fraction": "min_grouped_fraction",
-    "max_non_singleton_groups": "max_groups",
-}
-
-
 class FcaSection(_Section):
-    """Forest Cascade Attention in the vLLM sampler (the knobs of ``arctic_fca.FcaConfig``: same names, defaults and
-    meanings, which are arctic-dedup's ``ForestGrouping``'s for the grouping rules)."""
+    """Forest Cascade Attention in the vLLM sampler (the knobs of ``arctic_fca.FcaConfig``, same names)."""
 
     enable: bool = Field(default=False, description="Register the FCA attention backend in the sampling engines.")
     max_query_len: int = Field(
@@ -241,37 +229,23 @@ class FcaSection(_Section):
     min_group_size: int = Field(
         default=2, ge=2, description="Fewest requests that must share a prefix for it to be read once for all."
     )
-    min_prefix_blocks: int = Field(default=1, ge=1, description="Fewest shared full KV blocks a group needs.")
-    min_grouped_fraction: float = Field(
+    min_additional_prefix_blocks: int = Field(
+        default=1, ge=1, description="Fewest shared full KV blocks a group needs to be read once."
+    )
+    min_non_singleton_fraction: float = Field(
         default=0.0, ge=0.0, le=1.0, description="A step with a smaller fraction of grouped requests is not grouped."
     )
-    max_groups: int | None = Field(
-        default=None, ge=0, description="A step with more groups than this is not grouped; None: no limit."
+    max_non_singleton_groups: int = Field(
+        default=0, ge=0, description="A step with more groups than this is not grouped; 0 means no limit."
     )
     log_interval: int = Field(default=100, ge=1, description="Log FCA stats every this many steps on GPUs.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and any(key in _RENAMED_FCA_KNOBS for key in data):
-            data = dict(data)
-            for old, new in _RENAMED_FCA_KNOBS.items():
-                if old not in data:
-                    continue
-                if new in data:
-                    raise ValueError(f"fca sets both {old!r} and its new name {new!r}; keep only {new!r}.")
-                value = data.pop(old)
-                meaning = " (None, not 0, means no limit; 0 groups nothing)" if new == "max_groups" else ""
-                warnings.warn(f"fca.{old} is renamed fca.{new}{meaning}.", DeprecationWarning, stacklevel=2)
-                data[new] = None if new == "max_groups" and value == 0 else value
-        return _refuse_unknown_keys(cls, data)
 
     def environment(self) -> dict[str, str]:
         """The ``ARCTIC_FCA*`` environment variables that make ``arctic_fca.FcaConfig.from_env()`` equal this."""
         variables = {"ARCTIC_FCA": "1" if self.enable else "0"}
         for name, value in self.model_dump().items():
             if name != "enable":
-                variables[f"ARCTIC_FCA_{name.upper()}"] = "none" if value is None else str(value)
+                variables[f"ARCTIC_FCA_{name.upper()}"] = str(value)
         return variables
 
 
