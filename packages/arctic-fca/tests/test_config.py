@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import arctic_fca
+from arctic_dedup.forest import ForestGrouping
 from arctic_fca import FcaConfig, check_vllm_version
 
 
@@ -59,8 +62,16 @@ def test_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     config = FcaConfig.from_env()
     assert config == FcaConfig(True, 4, 3, 2, 0.5, 7)
     grouping = config.grouping()
-    assert (grouping.min_group_size, grouping.min_prefix_blocks, grouping.max_groups) == (3, 2, 7)
-    assert FcaConfig().grouping().max_groups is None
+    assert grouping == ForestGrouping(3, 2, 0.5, 7)
+    assert FcaConfig().grouping() == ForestGrouping(max_non_singleton_groups=0)
+
+
+def test_every_grouping_knob_has_the_same_name_and_default_in_forest_grouping() -> None:
+    """One name and one meaning from arctic-rl's ``fca`` section through FcaConfig to the planner's rules."""
+    grouping_fields = {field.name: field.default for field in dataclasses.fields(ForestGrouping)}
+    config_fields = {field.name: field.default for field in dataclasses.fields(FcaConfig)}
+    assert grouping_fields.items() <= config_fields.items()
+    assert FcaConfig(max_non_singleton_groups=3).grouping().max_non_singleton_groups == 3
 
 
 def test_bad_values_say_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -189,7 +189,7 @@ def test_no_sharing_is_exactly_the_per_request_kernel() -> None:
 
 def test_ungrouped_batch_by_knob_matches_reference() -> None:
     batch = make_decode_batch([64, 64], [[3, 4], [5, 6]], seed=11)
-    plan = _plan(batch, 2, max_groups=1)
+    plan = _plan(batch, 2, max_non_singleton_groups=1)
     assert int(plan.num_groups) == 0
     out, lse = forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.3, backend="triton")
     _assert_close(out, lse, _reference(batch, 0.3), 1e-5)

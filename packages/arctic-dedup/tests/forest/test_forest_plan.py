@@ -54,9 +54,9 @@ def _reference(batch: DecodeBatch, grouping: ForestGrouping, block_size: int = 1
         batch.query_start_loc,
         block_size,
         min_group_size=grouping.min_group_size,
-        min_prefix_blocks=grouping.min_prefix_blocks,
-        min_grouped_fraction=grouping.min_grouped_fraction,
-        max_groups=grouping.max_groups,
+        min_additional_prefix_blocks=grouping.min_additional_prefix_blocks,
+        min_non_singleton_fraction=grouping.min_non_singleton_fraction,
+        max_non_singleton_groups=grouping.max_non_singleton_groups,
     )
 
 
@@ -76,21 +76,23 @@ def _random_batch(seed: int) -> DecodeBatch:
 @given(
     seed=st.integers(0, 10_000),
     min_group_size=st.integers(2, 4),
-    min_prefix_blocks=st.integers(1, 3),
-    min_grouped_fraction=st.sampled_from([0.0, 0.5, 0.9]),
-    max_groups=st.sampled_from([None, 0, 1, 3]),
+    min_additional_prefix_blocks=st.integers(1, 3),
+    min_non_singleton_fraction=st.sampled_from([0.0, 0.5, 0.9]),
+    max_non_singleton_groups=st.sampled_from([0, 1, 3]),
     backend=st.sampled_from(["triton", "torch"]),
 )
 def test_groups_match_reference(
     seed: int,
     min_group_size: int,
-    min_prefix_blocks: int,
-    min_grouped_fraction: float,
-    max_groups: int | None,
+    min_additional_prefix_blocks: int,
+    min_non_singleton_fraction: float,
+    max_non_singleton_groups: int,
     backend: Backend,
 ) -> None:
     batch = _random_batch(seed)
-    grouping = ForestGrouping(min_group_size, min_prefix_blocks, min_grouped_fraction, max_groups)
+    grouping = ForestGrouping(
+        min_group_size, min_additional_prefix_blocks, min_non_singleton_fraction, max_non_singleton_groups
+    )
     plan = _plan(batch, grouping, backend=backend)
     leader, prefix = _reference(batch, grouping)
     assert plan.group_leader.tolist() == leader

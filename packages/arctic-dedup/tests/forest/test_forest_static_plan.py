@@ -167,7 +167,7 @@ def test_step_without_grouping_runs_the_same_plan_per_request(backend: Backend) 
     assert int(plan.num_groups) == 0 and plan.prefix_blocks.eq(0).all() and plan.shares
     out = _decode(batch, plan, backend)
     assert _relative_error(out, _reference(batch)) < 1e-5
-    ungrouped = _fresh(batch, backend, ForestGrouping(max_groups=0))
+    ungrouped = _fresh(batch, backend, ForestGrouping(min_group_size=2**31 - 1))
     assert torch.equal(out, _decode(batch, ungrouped, backend))
 
 

@@ -76,12 +76,12 @@ class FcaConfig:
         return self.enable
 
     def grouping(self) -> ForestGrouping:
-        """The kernel-level grouping rules these knobs stand for."""
+        """The kernel-level grouping rules these knobs stand for (the same names and meanings)."""
         return ForestGrouping(
             min_group_size=self.min_group_size,
-            min_prefix_blocks=self.min_additional_prefix_blocks,
-            min_grouped_fraction=self.min_non_singleton_fraction,
-            max_groups=self.max_non_singleton_groups or None,
+            min_additional_prefix_blocks=self.min_additional_prefix_blocks,
+            min_non_singleton_fraction=self.min_non_singleton_fraction,
+            max_non_singleton_groups=self.max_non_singleton_groups,
         )
 
     @classmethod

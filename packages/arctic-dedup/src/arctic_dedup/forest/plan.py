@@ -165,7 +165,7 @@ def _find_groups(
     counts = torch.zeros(spare + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, keys.reshape(-1), torch.ones_like(keys).reshape(-1))
     shared = torch.where(valid, counts[keys], 0)
-    usable = valid & (shared >= grouping.min_group_size) & (depth[None, :] + 1 >= grouping.min_prefix_blocks)
+    usable = valid & (shared >= grouping.min_group_size) & (depth[None, :] + 1 >= grouping.min_additional_prefix_blocks)
     savings = torch.where(usable, (shared - 1) * (depth[None, :] + 1), 0)
     cut = torch.argmax(savings, dim=1)
     best = savings.gather(1, cut[:, None]).squeeze(1)
@@ -184,12 +184,12 @@ def _find_groups(
     group_size = torch.zeros(num_requests, dtype=torch.int64, device=device)
     group_size.scatter_add_(0, leader, candidate.to(torch.int64))
     size = group_size[leader]
-    grouped = candidate & (size >= grouping.min_group_size) & (prefix >= grouping.min_prefix_blocks)
+    grouped = candidate & (size >= grouping.min_group_size) & (prefix >= grouping.min_additional_prefix_blocks)
 
     num_groups = (grouped & (leader == requests)).sum()
-    keep_batch = grouped.sum() >= math.ceil(grouping.min_grouped_fraction * num_requests)
-    if grouping.max_groups is not None:
-        keep_batch = keep_batch & (num_groups <= grouping.max_groups)
+    keep_batch = grouped.sum() >= math.ceil(grouping.min_non_singleton_fraction * num_requests)
+    if grouping.max_non_singleton_groups > 0:
+        keep_batch = keep_batch & (num_groups <= grouping.max_non_singleton_groups)
     grouped = grouped & keep_batch
     leader = torch.where(grouped, leader, requests)
     prefix = torch.where(grouped, prefix, 0)

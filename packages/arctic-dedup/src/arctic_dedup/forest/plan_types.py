@@ -19,26 +19,28 @@ class ForestGrouping:
 
     Attributes:
         min_group_size: fewest requests that must share a prefix for it to be read once for all of them.
-        min_prefix_blocks: fewest shared full KV blocks a group needs; shorter prefixes are read per request.
-        min_grouped_fraction: if fewer than this fraction of the batch's requests end up in groups, no request is
+        min_additional_prefix_blocks: fewest shared full KV blocks a group needs; shorter prefixes are read per request.
+        min_non_singleton_fraction: if fewer than this fraction of the batch's requests end up in groups, no request is
             grouped (the whole batch runs per request).
-        max_groups: if more than this many groups are found, no request is grouped; ``None`` means no limit.
+        max_non_singleton_groups: if more than this many groups are found, no request is grouped; 0 means no limit.
     """
 
     min_group_size: int = 2
-    min_prefix_blocks: int = 1
-    min_grouped_fraction: float = 0.0
-    max_groups: int | None = None
+    min_additional_prefix_blocks: int = 1
+    min_non_singleton_fraction: float = 0.0
+    max_non_singleton_groups: int = 0
 
     def __post_init__(self) -> None:
         if self.min_group_size < 2:
             raise ValueError(f"min_group_size must be >= 2 (a group shares a prefix), got {self.min_group_size}")
-        if self.min_prefix_blocks < 1:
-            raise ValueError(f"min_prefix_blocks must be >= 1, got {self.min_prefix_blocks}")
-        if not 0.0 <= self.min_grouped_fraction <= 1.0:
-            raise ValueError(f"min_grouped_fraction must be in [0, 1], got {self.min_grouped_fraction}")
-        if self.max_groups is not None and self.max_groups < 0:
-            raise ValueError(f"max_groups must be >= 0 or None, got {self.max_groups}")
+        if self.min_additional_prefix_blocks < 1:
+            raise ValueError(f"min_additional_prefix_blocks must be >= 1, got {self.min_additional_prefix_blocks}")
+        if not 0.0 <= self.min_non_singleton_fraction <= 1.0:
+            raise ValueError(f"min_non_singleton_fraction must be in [0, 1], got {self.min_non_singleton_fraction}")
+        if self.max_non_singleton_groups < 0:
+            raise ValueError(
+                f"max_non_singleton_groups must be >= 0 (0: no limit), got {self.max_non_singleton_groups}"
+            )
 
 
 @dataclass(frozen=True)

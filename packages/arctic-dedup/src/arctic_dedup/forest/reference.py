@@ -63,9 +63,9 @@ def reference_forest_groups(
     block_size: int,
     *,
     min_group_size: int = 2,
-    min_prefix_blocks: int = 1,
-    min_grouped_fraction: float = 0.0,
-    max_groups: int | None = None,
+    min_additional_prefix_blocks: int = 1,
+    min_non_singleton_fraction: float = 0.0,
+    max_non_singleton_groups: int = 0,
 ) -> tuple[list[int], list[int]]:
     """Group discovery written as loops: returns (leader per request, shared prefix blocks per request).
 
@@ -90,7 +90,7 @@ def reference_forest_groups(
         best, key = 0, None
         for d in range(eligible[i]):
             shared = counts[table[i][d]]
-            if shared >= min_group_size and d + 1 >= min_prefix_blocks and (shared - 1) * (d + 1) > best:
+            if shared >= min_group_size and d + 1 >= min_additional_prefix_blocks and (shared - 1) * (d + 1) > best:
                 best, key = (shared - 1) * (d + 1), table[i][d]
         cut_key.append(key)
     members: dict[int, list[int]] = {}
@@ -107,13 +107,13 @@ def reference_forest_groups(
             while common < min(eligible[i], eligible[head]) and table[i][common] == table[head][common]:
                 common += 1
             shared_blocks = min(shared_blocks, common)
-        if len(group) >= min_group_size and shared_blocks >= min_prefix_blocks:
+        if len(group) >= min_group_size and shared_blocks >= min_additional_prefix_blocks:
             for i in group:
                 leader[i], prefix[i] = head, shared_blocks
     num_groups = sum(1 for i in range(num_requests) if prefix[i] > 0 and leader[i] == i)
     num_grouped = sum(1 for p in prefix if p > 0)
-    too_few = num_grouped < math.ceil(min_grouped_fraction * num_requests)
-    too_many = max_groups is not None and num_groups > max_groups
+    too_few = num_grouped < math.ceil(min_non_singleton_fraction * num_requests)
+    too_many = max_non_singleton_groups > 0 and num_groups > max_non_singleton_groups
     if too_few or too_many:
         return list(range(num_requests)), [0] * num_requests
     return leader, prefix

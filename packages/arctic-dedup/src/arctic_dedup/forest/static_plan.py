@@ -35,8 +35,9 @@ from arctic_dedup.forest.plan_types import (
 
 __all__ = ["StaticForestPlan"]
 
-# Finds no groups (more than zero groups ungroup the batch): a step planned with it is per-request decode.
-_NO_GROUPS = ForestGrouping(max_groups=0)
+# Finds no groups (no step has 2**31 - 1 requests, the kernels' int32 limit): a step planned with it is per-request
+# decode.
+_NO_GROUPS = ForestGrouping(min_group_size=2**31 - 1)
 
 
 class StaticForestPlan:
