@@ -149,6 +149,34 @@ def test_cpu_kv_cache_size_is_rounded_up_to_whole_gib() -> None:
     assert "VLLM_CPU_KVCACHE_SPACE" not in engine_environment(_cpu_config(), "training")
 
 
+def test_parameters_leave_the_training_actor_without_the_flat_buffer_they_view() -> None:
+    """ZeRO 0-2 parameters are views of one flat buffer; pickling a view sends its whole storage, so the actor gives
+    each materialised tensor a storage of its own (same values, dtype and shape) before Ray pickles the list."""
+    import pickle
+
+    from arctic_rl.actors import EngineActor
+
+    flat = torch.arange(4096, dtype=torch.float32)
+    views = [("a", flat[:64].view(8, 8)), ("b", flat[64:80]), ("c", flat[80:112].view(4, 8).t())]
+    own = torch.ones(3, dtype=torch.bfloat16)
+
+    class Engine:
+        def iter_full_parameters(self) -> Any:
+            yield from views
+            yield "d", own
+
+    actor = EngineActor("training[0]")
+    actor.engine = Engine()
+    sent = actor.call("iter_full_parameters")
+    assert [name for name, _ in sent] == ["a", "b", "c", "d"]
+    for (_, tensor), (_, view) in zip(sent, [*views, ("d", own)], strict=True):
+        assert tensor.dtype == view.dtype and tensor.shape == view.shape and torch.equal(tensor, view)
+        assert tensor.untyped_storage().nbytes() == tensor.nbytes
+    assert sent[3][1] is own  # a tensor that owns its storage is passed on, not copied
+    assert len(pickle.dumps(sent)) < 4 * sum(tensor.nbytes for _, tensor in sent) + 4096
+    assert len(pickle.dumps(views)) > 3 * flat.nbytes  # what the views alone would have sent
+
+
 def test_sync_client_maps_vllm_protocol_onto_the_sampler_methods() -> None:
     calls: list[tuple[str, tuple[Any, ...]]] = []
     client = SamplerWeightSyncClient(lambda method, args: calls.append((method, args)))

@@ -99,7 +99,7 @@ class EngineActor:
             result = getattr(self.engine, method)(*args, **kwargs)
             # Generators (iter_full_parameters) cannot leave the actor: materialise them here.
             if hasattr(result, "__next__"):
-                result = list(result)
+                result = [_own_storage(item) for item in result]
             return result
         except Exception as error:
             raise _as_engine_error(self.name, f"{method}() failed", error) from None
@@ -112,6 +112,23 @@ class EngineActor:
         close = getattr(engine, "shutdown", None) or getattr(engine, "close", None)
         if close is not None:
             close()
+
+
+def _own_storage(item: Any) -> Any:
+    """``item`` (a tensor, or a tuple such as ``(name, tensor)``) with every tensor that views part of a larger
+    storage copied to a storage of its own; other values unchanged.
+
+    Pickling a tensor sends its whole storage, and under ZeRO 0-2 each parameter is a view of DeepSpeed's flat
+    buffer of all of them: the 25 parameters of the 2-layer main-job model pickled to 11.5 MB instead of 0.46 MB,
+    and the object-store weight sync sends them across two processes a step (training actor -> service -> sampler).
+    """
+    import torch
+
+    if isinstance(item, tuple):
+        return tuple(_own_storage(part) for part in item)
+    if isinstance(item, torch.Tensor) and item.untyped_storage().nbytes() > item.nbytes:
+        return item.clone()
+    return item
 
 
 def _as_engine_error(name: str, what: str, error: Exception) -> Exception:
