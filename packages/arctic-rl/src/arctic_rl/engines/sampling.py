@@ -139,6 +139,24 @@ class SamplingEngine:
             self._llm.init_weight_transfer_engine({"init_info": {}})
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Serve one short seeded request at start-up, so the first ``generate`` pays none of vLLM's one-time set-up.
+
+        vLLM's sampler compiles its log-prob rank op (``torch.compile``) at the first request that asks for log-probs,
+        which every request here does: 3-5 s on the 2-core CPU machine, most of the main job's first step. torch's
+        global generator (unseeded requests draw from it) is put back as it was, and the prefix cache and arctic-fca's
+        counters are reset, so later calls find an engine that has served nothing.
+        """
+        import arctic_fca
+
+        generator_state = torch.get_rng_state()
+        params = self._sampling_params({"n": 2, "max_tokens": 2, "temperature": 1.0, "seed": 0})
+        self._run_requests([{"prompt_token_ids": [0, 1]}], params)
+        torch.set_rng_state(generator_state)
+        self.reset_prefix_cache()
+        arctic_fca.reset_stats()
 
     # ----------------------------------------------------------------------------------------------------------
     # state
