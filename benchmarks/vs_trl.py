@@ -60,12 +60,13 @@ SHARED_PROMPT_STEPS = 12
 SHARED_PROMPT_SETTINGS: dict[str, int] = {"prompts_per_step": 2, "group": 16, "prompt_padding": SHARED_PROMPT_PADDING}
 
 
-def regime_settings(regime: str, steps: int | None = None) -> tuple[RunSettings, dict[str, int]]:
-    """The main job's settings and the model shape (``save_tiny_qwen3`` overrides) of ``regime``."""
+def regime_settings(regime: str, steps: int | None = None, *, fca: bool = True) -> tuple[RunSettings, dict[str, int]]:
+    """The main job's settings and the model shape (``save_tiny_qwen3`` overrides) of ``regime``; ``fca=False``
+    samples without Forest Cascade Attention (``grpo_parity.py --no-fca``)."""
     if regime == "tiny":
-        return replace(RunSettings(), **({} if steps is None else {"steps": steps})), {}
+        return replace(RunSettings(), fca=fca, **({} if steps is None else {"steps": steps})), {}
     if regime == "shared_prompts":
-        settings = replace(RunSettings(), steps=SHARED_PROMPT_STEPS if steps is None else steps)
+        settings = replace(RunSettings(), fca=fca, steps=SHARED_PROMPT_STEPS if steps is None else steps)
         return replace(settings, **SHARED_PROMPT_SETTINGS), dict(GPU_MODEL)
     raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}.")
 
@@ -270,12 +271,12 @@ def versions() -> dict[str, str | None]:
 
 
 def run_regime(
-    regime: str, steps: int | None, window: int, trl_python: str, trl_threads: int, scratch: Path
+    regime: str, steps: int | None, window: int, trl_python: str, trl_threads: int, scratch: Path, *, fca: bool = True
 ) -> dict[str, Any]:
     """Ours then TRL's on ``regime``'s model, prompts and settings; the settings, summary, rows and load."""
     from arctic_rl.testing import TINY_QWEN3, save_tiny_qwen3
 
-    settings, shape = regime_settings(regime, steps)
+    settings, shape = regime_settings(regime, steps, fca=fca)
     model_dir = str(save_tiny_qwen3(scratch / f"{regime}-qwen3", seed=settings.seed, **shape))
     load = {"before": os.getloadavg()}
     ours, ours_wall = run_ours(settings, model_dir)
@@ -357,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=5, help="last steps whose mean reward is reported")
     # Ray starts each of our engine workers (a fractional CPU claim) with OMP_NUM_THREADS=1; TRL gets the same.
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL's process")
+    # On the CPU build FCA decodes with arctic-dedup's torch reference (a loop over work items): a correctness path
+    # that costs the tiny regime ~0.2 s a step (see the notes); the main job keeps it on to show the grouping.
+    parser.add_argument("--no-fca", action="store_true", help="sample without Forest Cascade Attention")
     parser.add_argument("--smoke", action="store_true", help="3 steps each, window 1: checks the script")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -376,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     blocks: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for regime in regimes:
-            blocks[regime] = run_regime(regime, steps, window, args.trl_python, args.trl_threads, Path(scratch))
+            blocks[regime] = run_regime(
+                regime, steps, window, args.trl_python, args.trl_threads, Path(scratch), fca=not args.no_fca
+            )
             blocks[regime]["ran"] = {"date": run_metadata()["date"], "commit": meta["commit"]}
     meta["load_after"] = os.getloadavg()
     reported = [block.pop("trl_versions") for block in blocks.values()]

@@ -126,6 +126,11 @@ def test_the_shared_prompt_regime_shares_long_prompts_on_a_wider_model() -> None
     # One byte is one token of the byte tokenizer: each prompt is padding + its ~35-byte question.
     assert all(len(text.encode()) > settings.prompt_padding for text, _ in prompts)
     assert vs_trl.regime_settings("shared_prompts", steps=3)[0].steps == 3
+    # --no-fca: the same settings, sampled without FCA.
+    for regime, with_fca in (("tiny", tiny), ("shared_prompts", settings)):
+        without, same_shape = vs_trl.regime_settings(regime, fca=False)
+        assert with_fca.fca and not without.fca and replace(without, fca=True) == with_fca
+        assert same_shape == (tiny_shape if regime == "tiny" else shape)
     with pytest.raises(ValueError, match="regime must be one of"):
         vs_trl.regime_settings("huge")
 
