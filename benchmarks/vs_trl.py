@@ -22,6 +22,7 @@ Two regimes, each run ours then TRL's, back to back (so machine load hits both a
     python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python            # both regimes, ~25 minutes loaded
     python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python --regime shared_prompts
     python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python --smoke    # 3 steps each: checks the script
+    python benchmarks/vs_trl.py --trl-python .venvs/trl/bin/python --regime tiny --no-fca  # the README's tiny row
 
 ``nox -s vs_trl`` builds both environments (``trl`` pinned there) and runs it.
 """
