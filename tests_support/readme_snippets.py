@@ -8,12 +8,13 @@ block is never skipped silently and a new block is never left untested.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from cpu_user import cpu_user_environment
 
 __all__ = ["SKIP_MARKER", "Snippet", "check_every_block_is_accounted_for", "readme_snippets", "run_snippet"]
 
@@ -65,9 +66,11 @@ def check_every_block_is_accounted_for(readme: Path, *, expected_run: int, expec
 
 def run_snippet(snippet: Snippet) -> None:
     """Run one block in a fresh interpreter as a newcomer's CPU machine would: no GPU, no Triton interpreter."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(
-        [sys.executable, "-c", snippet.code], capture_output=True, text=True, env=env, timeout=SNIPPET_TIMEOUT_S
+        [sys.executable, "-c", snippet.code],
+        capture_output=True,
+        text=True,
+        env=cpu_user_environment(),
+        timeout=SNIPPET_TIMEOUT_S,
     )
     assert done.returncode == 0, f"README line {snippet.line} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

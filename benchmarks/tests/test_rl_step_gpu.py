@@ -5,12 +5,12 @@ which vLLM's CPU build refuses)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cpu_user import cpu_user_environment
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))
@@ -67,7 +67,7 @@ def test_cpu_smoke_runs_each_phase_through_the_engines(tmp_path: Path) -> None:
         [sys.executable, str(BENCHMARKS / "rl_step_gpu.py"), "--cpu-smoke", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        env=cpu_user_environment(),
         timeout=1200,
         check=False,
     )

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_user import cpu_user_environment
 from grpo_parity import StepRecord, make_prompts, parity_reward, summarize
 
 MAIN_JOB = Path(__file__).resolve().parents[1] / "grpo_parity.py"
@@ -76,6 +77,7 @@ def test_the_main_job_learns_on_the_cpu(tmp_path: Path) -> None:
         [sys.executable, str(MAIN_JOB), "--steps", "30", "--expect-gain", "0.3", "--out", str(out)],
         capture_output=True,
         text=True,
+        env=cpu_user_environment(),
         timeout=1200,
         check=False,
     )

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_user import cpu_user_environment
 
 pytest.importorskip("vllm")
 pytest.importorskip("deepspeed")
@@ -35,6 +36,7 @@ def test_readme_loop_runs_as_written(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(script)],
         cwd=working_directory,
+        env=cpu_user_environment(),
         capture_output=True,
         text=True,
         timeout=900,

@@ -4,12 +4,12 @@ Qwen3 with a chat template, GSM8K-format items from a JSONL file, the recipe's c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cpu_user import cpu_user_environment
 from recipe_fixtures import CHAT_TEMPLATE
 
 pytest.importorskip("vllm")
@@ -52,7 +52,7 @@ def test_two_gsm8k_steps_run_on_the_cpu(tmp_path: Path) -> None:
     ]
     # fmt: on
     result = subprocess.run(
-        command, cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ), timeout=900, check=False
+        command, cwd=tmp_path, capture_output=True, text=True, env=cpu_user_environment(), timeout=900, check=False
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "training data: 6 prompts of 6 records" in result.stdout
