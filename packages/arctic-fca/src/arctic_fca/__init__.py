@@ -1,20 +1,10 @@
 """arctic_fca: Forest Cascade Attention as a vLLM attention-backend plugin (``ARCTIC_FCA=1``)."""
 
-import importlib.metadata
-
+from arctic_fca._version import __version__
 from arctic_fca.config import FcaConfig, is_active, set_active
 from arctic_fca.plugin import TESTED_VLLM_VERSIONS, check_vllm_version, register
 from arctic_fca.stats import FcaStats, get_stats, reset_stats
 from arctic_fca.worker import FcaWorkerExtension, collect_stats, reset_worker_stats
-
-try:
-    __version__: str = importlib.metadata.version("arctic-fca")
-except importlib.metadata.PackageNotFoundError:
-    # Sources on PYTHONPATH without an install (``nox -s gpu_tests``): the version's one source, pyproject.toml.
-    import tomllib
-    from pathlib import Path
-
-    __version__ = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
 
 __all__ = [
     "TESTED_VLLM_VERSIONS",

@@ -7,6 +7,7 @@ import os
 import re
 import threading
 
+from arctic_fca._version import __version__
 from arctic_fca.config import ENABLE_VARIABLE, FcaConfig
 from arctic_fca.stats import LOGGER_NAME
 
@@ -36,7 +37,6 @@ def check_vllm_version(version: str) -> None:
     """Raise if ``version`` is outside the tested vLLM releases (the attention-backend API changes every few)."""
     if _minor_release(version) in TESTED_VLLM_VERSIONS or os.environ.get(ALLOW_UNTESTED_VARIABLE) == "1":
         return
-    from arctic_fca import __version__
 
     raise RuntimeError(
         f"arctic-fca {__version__} is tested with vllm {TESTED_VLLM_VERSIONS[0]} through {TESTED_VLLM_VERSIONS[-1]} "
