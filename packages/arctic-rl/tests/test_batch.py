@@ -4,6 +4,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from batch_helpers import small_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,21 +18,6 @@ from arctic_rl.batch import (
     validate_batch,
 )
 from arctic_rl.errors import BatchValidationError
-
-
-def small_batch() -> dict[str, torch.Tensor]:
-    # Two samples: prompt [5, 6] (left-padded to P = 3), responses [7, 8] and [9] (right-padded to R = 2).
-    input_ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0]])
-    attention_mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0]])
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": torch.tensor([[0, 0, 1, 2, 3], [0, 0, 1, 2, 2]]),
-        "responses": input_ids[:, 3:].clone(),
-        "response_mask": attention_mask[:, 3:].clone(),
-        "old_log_probs": torch.tensor([[-1.0, -2.0], [-0.5, 0.0]]),
-        "advantages": torch.tensor([1.0, -1.0]),
-    }
 
 
 def test_a_valid_batch_comes_back_normalised() -> None:
@@ -265,34 +251,3 @@ def test_a_checked_batch_carries_its_limits_through_row_selection() -> None:
     assert "old_log_probs" not in dropped
     assert not dropped.covers(vocab_size=10, max_length=8, require=("old_log_probs",))
     assert dropped.covers(vocab_size=10, max_length=8, require=("advantages",))
-
-
-def test_an_engine_checks_every_batch_its_limits_are_not_covered_for() -> None:
-    from types import SimpleNamespace
-
-    from arctic_rl.engines.deepspeed_base import DeepSpeedModelEngine
-
-    engine = SimpleNamespace(vocab_size=10, max_positions=8, device=torch.device("cpu"))
-    out_of_vocabulary = small_batch()
-    out_of_vocabulary["responses"][0, 0] = 9
-    out_of_vocabulary["input_ids"][0, 3] = 9
-    checked_for_a_larger_vocabulary = check_batch(out_of_vocabulary, vocab_size=12, require=(), max_length=8)
-    # The same message a plain batch gets: the engine's own check ran.
-    for batch in (out_of_vocabulary, checked_for_a_larger_vocabulary):
-        with pytest.raises(BatchValidationError, match=r"outside the model's vocabulary \[0, 9\)"):
-            DeepSpeedModelEngine._validate(
-                SimpleNamespace(vocab_size=9, max_positions=8, device=torch.device("cpu")),
-                batch,
-                require=(),
-            )
-    # A batch the service checked against these limits is taken as checked (the one check of the request): the
-    # tensors come back as they were, not copies made by a second validation.
-    covered = check_batch(small_batch(), vocab_size=10, require=("advantages",), max_length=8).select([0, 1])
-    taken = DeepSpeedModelEngine._validate(engine, covered, require=("advantages",))
-    assert all(taken[key] is covered[key] for key in covered)
-    # A plain dict with the same content is validated (and so copied into fresh tensors).
-    plain = dict(covered)
-    validated = DeepSpeedModelEngine._validate(engine, plain, require=("advantages",))
-    assert not any(validated[key] is plain[key] for key in ("input_ids", "responses"))
-    with pytest.raises(BatchValidationError, match="ref_log_prob"):
-        DeepSpeedModelEngine._validate(engine, covered, require=("advantages", "ref_log_prob"))

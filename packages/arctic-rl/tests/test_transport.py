@@ -9,6 +9,7 @@ for idempotent operations), and closing a launched server (stopped once, connect
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -186,6 +187,10 @@ def stand_in_server() -> Iterator[tuple[ServerThread, StandInService]]:
         yield running, service
     finally:
         running.stop()
+        # The recorded batches decoded from slots are views of the slots' mappings, and each mapping holds a duplicate
+        # of its slot's descriptor (Python's mmap keeps one): drop them, or later tests see this process's slots open.
+        service.calls.clear()
+        gc.collect()
 
 
 def http_config(port: int, **http: Any) -> ArcticRLClientConfig:
