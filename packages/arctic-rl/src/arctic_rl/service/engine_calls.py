@@ -21,6 +21,7 @@ from arctic_rl.errors import ArcticRLError, EngineDiedError, EngineError
 
 if TYPE_CHECKING:
     from arctic_rl.actors import EngineHandle
+    from arctic_rl.batch import ValidatedBatch
 
 __all__ = ["EngineCalls", "Pending"]
 
@@ -79,6 +80,24 @@ class EngineCalls:
         self.require_alive(handles)
         # Launch on every rank before waiting on any: collective operations need all ranks inside them.
         return self.gather([self.start(handle, method, *args, **kwargs) for handle in handles])
+
+    def call_on_shares(
+        self,
+        handles: Sequence[EngineHandle[Engine]],
+        method: Callable[Concatenate[Engine, ValidatedBatch, Arguments], Result],
+        batch: ValidatedBatch,
+        shares: Sequence[Sequence[int]],
+        *args: Arguments.args,
+        **kwargs: Arguments.kwargs,
+    ) -> list[Result]:
+        """Run ``method`` on every engine of ``handles`` with its share of ``batch``'s rows (``shares[i]`` for
+        ``handles[i]``) and the same other arguments."""
+        self.require_alive(handles)
+        calls = [
+            self.start(handle, method, batch.select(share), *args, **kwargs)
+            for handle, share in zip(handles, shares, strict=True)
+        ]
+        return self.gather(calls)
 
     def gather(self, calls: Sequence[Pending[Result]]) -> list[Result]:
         """Results of calls on several engines, all within the call time limit. When one engine dies, its peers in

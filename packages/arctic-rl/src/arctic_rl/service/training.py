@@ -86,19 +86,14 @@ class TrainingOperations(ServiceBase):
         valid = self._validated(batch, require=())
         self.states.require_awake("log_prob" if reference_model else "training", "fwd_no_grad()")
         shares = split_for_data_parallel(valid, len(handles))
-        self.calls.require_alive(handles)
         with self.metrics.timer.phase("log_prob"):
-            results = self.calls.gather(
-                [
-                    self.calls.start(
-                        handle,
-                        LogProbEngineProtocol.fwd_no_grad,
-                        valid.select(share),
-                        calculate_entropy=calculate_entropy,
-                        temperature=temperature,
-                    )
-                    for handle, share in zip(handles, shares, strict=True)
-                ]
+            results = self.calls.call_on_shares(
+                handles,
+                LogProbEngineProtocol.fwd_no_grad,
+                valid,
+                shares,
+                calculate_entropy=calculate_entropy,
+                temperature=temperature,
             )
         output = merge_rows(int(valid["input_ids"].shape[0]), shares, results)
         if not reference_model and "rollout_log_probs" in valid and "logprobs" in output:
@@ -139,23 +134,18 @@ class TrainingOperations(ServiceBase):
         global_tokens, global_sequences = count_loss_denominators(valid["response_mask"])
         if global_tokens == 0:
             raise BatchValidationError("response_mask", "no response token is unmasked; the loss would be 0/0.")
-        self.calls.require_alive(self.engines.training)
         with self.metrics.timer.phase("train"):
-            results = self.calls.gather(
-                [
-                    self.calls.start(
-                        handle,
-                        TrainingEngineProtocol.fwd_bwd,
-                        valid.select(share),
-                        loss_name=loss_name,
-                        loss_config=loss_config,
-                        global_tokens=global_tokens,
-                        global_sequences=global_sequences,
-                        temperature=float(temperature),
-                        old_log_probs_from_forward=old_log_probs_from_forward,
-                    )
-                    for handle, share in zip(self.engines.training, shares, strict=True)
-                ]
+            results = self.calls.call_on_shares(
+                self.engines.training,
+                TrainingEngineProtocol.fwd_bwd,
+                valid,
+                shares,
+                loss_name=loss_name,
+                loss_config=loss_config,
+                global_tokens=global_tokens,
+                global_sequences=global_sequences,
+                temperature=float(temperature),
+                old_log_probs_from_forward=old_log_probs_from_forward,
             )
         self._add_training_metrics(valid, shares, results, global_tokens, old_log_probs_from_forward)
         # Every rank's loss and metrics are its share of the global mean: the step's values are their sums.
