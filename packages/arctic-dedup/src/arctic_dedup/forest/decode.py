@@ -6,80 +6,10 @@ import torch
 
 from arctic_dedup._triton_support import Backend, resolve_backend
 from arctic_dedup.forest._launch import check_decode_inputs, launch_forest_decode, replay_forest_decode
+from arctic_dedup.forest._torch_decode import forest_decode_torch
 from arctic_dedup.forest.plan import ForestKernelConfig, ForestPlan, plan_paged
-from arctic_dedup.lse import merge_attention_states
 
 __all__ = ["forest_decode", "paged_decode"]
-
-
-def _gather_tokens(cache: torch.Tensor, table_row: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
-    positions = torch.arange(start, end, device=cache.device)
-    return cache[table_row[positions // block_size].long(), positions % block_size].float()
-
-
-def _attend(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, visible: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """queries ``[R, H_q, D]``, keys/values ``[K, H_kv, D]`` fp32 -> (out ``[R, H_q, D]``, lse ``[R, H_q]``)."""
-    group = queries.shape[1] // keys.shape[1]
-    scores = torch.einsum("rhd,khd->hrk", queries, keys.repeat_interleave(group, dim=1)) * scale
-    if visible is not None:
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("hrk,khd->rhd", weights, values.repeat_interleave(group, dim=1))
-    return out, lse.transpose(0, 1)
-
-
-def _forest_decode_torch(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    plan: ForestPlan,
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    # The torch path serves CPU builds (vLLM's CPU backend, CI); it reads the plan on the host, which is free there.
-    starts = plan.query_start_loc.tolist()
-    seq_lens = plan.seq_lens.tolist()
-    prefix_blocks = plan.prefix_blocks.tolist()
-    leaders = plan.group_leader.tolist()
-    block_size = plan.block_size
-    table = plan.block_table
-    groups: dict[int, list[int]] = {}
-    for request, blocks in enumerate(prefix_blocks):
-        if blocks > 0:
-            groups.setdefault(leaders[request], []).append(request)
-
-    prefix_parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for leader, members in groups.items():
-        prefix_end = prefix_blocks[leader] * block_size
-        keys = _gather_tokens(key_cache, table[leader], 0, prefix_end, block_size)
-        values = _gather_tokens(value_cache, table[leader], 0, prefix_end, block_size)
-        rows = torch.cat([query[starts[m] : starts[m + 1]] for m in members]).float()
-        group_out, group_lse = _attend(rows, keys, values, scale, None)
-        offset = 0
-        for member in members:
-            count = starts[member + 1] - starts[member]
-            prefix_parts[member] = (group_out[offset : offset + count], group_lse[offset : offset + count])
-            offset += count
-
-    for request, seq_len in enumerate(seq_lens):
-        begin, end = starts[request], starts[request + 1]
-        if end == begin:
-            continue
-        suffix_start = prefix_blocks[request] * block_size
-        keys = _gather_tokens(key_cache, table[request], suffix_start, seq_len, block_size)
-        values = _gather_tokens(value_cache, table[request], suffix_start, seq_len, block_size)
-        positions = torch.arange(suffix_start, seq_len, device=query.device)
-        query_positions = seq_len - (end - begin) + torch.arange(end - begin, device=query.device)
-        visible = positions[None, :] <= query_positions[:, None]
-        request_out, request_lse = _attend(query[begin:end].float(), keys, values, scale, visible)
-        if request in prefix_parts:
-            request_out, request_lse = merge_attention_states(request_out, request_lse, *prefix_parts[request])
-        out[begin:end] = request_out.to(out.dtype)
-        lse[begin:end] = request_lse
 
 
 def forest_decode(
@@ -115,8 +45,8 @@ def forest_decode(
         scale: softmax scale, usually ``D ** -0.5``.
         out: optional ``[T, H_q, D]`` output buffer (the query's dtype); allocated when ``None``.
         lse: optional ``[T, H_q]`` float32 buffer for the log-sum-exp (natural log) of each query row.
-        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (loops, for CPU builds),
-            or ``"auto"``.
+        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (batched torch ops, for CPU
+            builds), or ``"auto"``.
 
     Returns:
         (out ``[T, H_q, D]``, lse ``[T, H_q]`` float32). Rows of query tokens beyond a request's query length are
@@ -133,7 +63,7 @@ def forest_decode(
     if resolve_backend(backend, query) == "triton":
         launch_forest_decode(query, key_cache, value_cache, plan, scale, out, lse)
     else:
-        _forest_decode_torch(query, key_cache, value_cache, plan, scale, out, lse)
+        forest_decode_torch(query, key_cache, value_cache, plan, scale, out, lse)
     return out, lse
 
 

@@ -208,6 +208,9 @@ class ForestPlan:
     launches: dict[tuple[Any, ...], tuple[Any, ...]] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
+    # The torch path's gather indices per (block size, device), built by its first call of this plan
+    # (forest/_torch_decode.py); never copied by dataclasses.replace, dropped when a persistent plan is refilled.
+    torch_indices: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def num_requests(self) -> int:

@@ -147,6 +147,7 @@ class StaticForestPlan:
                 f"{self._block_table.device}, got a block table of {rows} x {width} on {block_table.device}; use the "
                 "static plan of the step's padded batch size (or a new one for this table width)."
             )
+        plan.torch_indices.clear()
         self._block_table[:rows].copy_(block_table)
         self._seq_lens[:rows].copy_(seq_lens)
         self._query_start_loc[: rows + 1].copy_(query_start_loc)
