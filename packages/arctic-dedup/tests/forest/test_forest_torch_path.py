@@ -179,14 +179,15 @@ def test_torch_path_matches_dense_float64_attention(
 
 
 def test_rows_that_see_no_key_get_zero_and_minus_infinity() -> None:
-    """A request whose query tokens see no key (a length shorter than its query): out 0, lse -inf, no NaN; its
-    neighbours in the same group are unaffected."""
-    table = torch.tensor([[1, 2, 3], [1, 2, 4], [5, 0, 0]], dtype=torch.int32)
+    """A request whose query token sees no key (length 0, its row all null blocks): out 0, lse -inf, no NaN from the
+    null block's bits; the group beside it is unaffected."""
+    table = torch.tensor([[1, 2, 3], [1, 2, 4], [0, 0, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([10, 9, 0], dtype=torch.int32)
     query_start_loc = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     generator = torch.Generator().manual_seed(0)
     key_cache = torch.randn(6, 4, 1, 8, generator=generator)
     value_cache = torch.randn(6, 4, 1, 8, generator=generator)
+    key_cache[0] = value_cache[0] = float("nan")
     query = torch.randn(3, 2, 8, generator=generator)
     plan = plan_paged(table, seq_lens, query_start_loc, block_size=4, max_query_len=1, queries_per_kv=2, num_kv_heads=1)
     plan = dataclasses.replace(

@@ -23,16 +23,17 @@ __all__ = ["TorchDecodeIndex", "build_torch_decode_index", "forest_decode_torch"
 class TorchKeySlots:
     """Padded cache slots of a batch of key ranges: slot ``[i, j]`` is ``cache[blocks[i, j], offsets[i, j]]``.
 
-    ``visible [I, Q, K]`` says which slots each of the item's ``Q`` query rows attends to (padding never);
-    ``padded``: some slot is padding (it points at slot 0 of a block the item holds, or of block 0, whose values may
-    be any bits and are zeroed before use).
+    ``visible [I, Q, K]`` says which slots each of the item's ``Q`` query rows attends to (padding never). Padding
+    points at position 0 of the item's block-table row, a token of its context, except for an item whose row holds
+    no token (a request of length 0): there it reads whatever the cache holds (NaN included), so ``zero_padding``
+    asks for padding values to be zeroed before use.
     """
 
     blocks: torch.Tensor
     offsets: torch.Tensor
     valid: torch.Tensor
     visible: torch.Tensor
-    padded: bool
+    zero_padding: bool
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def _key_slots(
         visible = valid[:, None, :]
     else:
         visible = valid[:, None, :] & (positions[:, None, :] <= query_positions[:, :, None])
-    return TorchKeySlots(blocks, offsets, valid, visible, bool((~valid).any()))
+    zero_padding = bool((~valid).any()) and bool((ends <= 0).any())
+    return TorchKeySlots(blocks, offsets, valid, visible, zero_padding)
 
 
 def _query_rows(first_rows: torch.Tensor, counts: torch.Tensor) -> tuple[TorchQueryRows, torch.Tensor]:
@@ -138,7 +140,7 @@ def build_torch_decode_index(plan: ForestPlan) -> TorchDecodeIndex:
             slots.offsets.to(device),
             slots.valid.to(device),
             slots.visible.to(device),
-            slots.padded,
+            slots.zero_padding,
         )
 
     return TorchDecodeIndex(
@@ -160,9 +162,9 @@ def _runs(counts: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(cache: torch.Tensor, slots: TorchKeySlots) -> torch.Tensor:
-    """``[I, K, H_kv, D]`` fp32 of the slots; padding reads 0 (cache bits outside a sequence may be NaN)."""
+    """``[I, K, H_kv, D]`` fp32 of the slots (padding: finite values of the context, or 0)."""
     values = cache[slots.blocks, slots.offsets].float()
-    if slots.padded:
+    if slots.zero_padding:
         values = values.masked_fill(~slots.valid[:, :, None, None], 0.0)
     return values
 
