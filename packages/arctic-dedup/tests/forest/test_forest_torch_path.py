@@ -116,9 +116,7 @@ def _hand_grouped(plan: ForestPlan, layout: Layout, rng: random.Random) -> Fores
     for prompt, shared in enumerate(layout.shared_blocks):
         members = [request for request, owner in enumerate(layout.prompt_of) if owner == prompt]
         chosen = [request for request in members if rng.random() < 0.7]
-        eligible = [
-            min(shared, (int(layout.seq_lens[r]) - (starts[r + 1] - starts[r])) // block_size) for r in chosen
-        ]
+        eligible = [min(shared, (int(layout.seq_lens[r]) - (starts[r + 1] - starts[r])) // block_size) for r in chosen]
         if not chosen or min(eligible) < 1:
             continue
         blocks = rng.randint(1, min(eligible))
@@ -169,8 +167,9 @@ def test_torch_path_matches_dense_float64_attention(
     out = torch.full_like(layout.query, float("nan"))
     lse = torch.full(layout.query.shape[:2], float("nan"))
     # Twice with one plan, as the model's layers call it: the second call reuses the first call's indices.
+    caches = (layout.key_cache, layout.value_cache)
     for _ in range(2):
-        forest_decode(layout.query, layout.key_cache, layout.value_cache, plan, scale, out=out, lse=lse, backend="torch")
+        forest_decode(layout.query, *caches, plan, scale, out=out, lse=lse, backend="torch")
     ref_out, ref_lse = _dense_reference(layout, scale)
     written = int(layout.query_start_loc[-1])
     torch.testing.assert_close(out[:written].double(), ref_out[:written], atol=2e-6, rtol=2e-6)

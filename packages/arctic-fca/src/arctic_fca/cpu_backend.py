@@ -3,7 +3,8 @@ ignores the backend selection).
 
 The builder plans on the host, where reading the plan is free: a step where grouping finds nothing runs CPU_ATTN.
 CPU_ATTN packs each KV block in an ISA-specific order; the impl gathers the blocks a step reads into token-major
-copies (``[used blocks, block, H_kv, D]``) and runs ``forest_decode`` on them.
+copies (``[used blocks, block, H_kv, D]``) and runs ``forest_decode`` on them. Which blocks those are, and the plan
+over the copies' block numbers, the builder works out once per step; every layer then only gathers its blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -31,12 +33,39 @@ logger = logging.getLogger(LOGGER_NAME)
 
 @dataclass
 class FcaCpuMetadata(CPUAttentionMetadata):
+    """CPU_ATTN's metadata with the step's plan over the compacted block numbers (``fca``) and the cache blocks the
+    step reads, in compacted order (``fca_blocks``)."""
+
     fca: ForestPlan | None = None
+    fca_blocks: torch.Tensor | None = None
+
+
+def _compact_plan(plan: ForestPlan) -> tuple[torch.Tensor, ForestPlan]:
+    """The cache blocks a step reads (sorted) and the plan with its block table renumbered into them."""
+    block_size = plan.block_size
+    used_lengths = torch.div(plan.seq_lens + block_size - 1, block_size, rounding_mode="floor")
+    columns = torch.arange(plan.block_table.shape[1])
+    used = columns[None, :] < used_lengths[:, None]
+    blocks, compact = torch.unique(plan.block_table[used].long(), return_inverse=True)
+    table = torch.zeros_like(plan.block_table)
+    table[used] = compact.to(table.dtype)
+    return blocks, replace(plan, block_table=table)
 
 
 class FcaCpuMetadataBuilder(ForestMetadataBuilder, CPUAttentionMetadataBuilder):
     fca_metadata_class = FcaCpuMetadata
     plans_on_cpu = True
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> Any:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if metadata.fca is None:
+            return metadata
+        # One compaction per step: the layers share the plan over the copies, whose torch-path indices
+        # forest_decode then builds at the first layer and reuses at the others.
+        blocks, plan = _compact_plan(metadata.fca)
+        return replace(metadata, fca=plan, fca_blocks=blocks)
 
 
 def _probe_cpu_layout(
@@ -85,7 +114,6 @@ class FcaCpuAttentionImpl(ForestAttentionImpl, CPUAttentionBackendImpl):
     ) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
         """Token-major copies ``[used_blocks, block, H_kv, D]`` of the blocks this step reads, and the metadata with
         the plan on them."""
-        plan = attn_metadata.fca
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         head_size = self.head_size
         isa = getattr(layer, "isa", None)
@@ -100,17 +128,16 @@ class FcaCpuAttentionImpl(ForestAttentionImpl, CPUAttentionBackendImpl):
         if layout is None:
             return None
         key_positions, value_positions = layout
-        used_lengths = torch.div(plan.seq_lens + block_size - 1, block_size, rounding_mode="floor")
-        columns = torch.arange(plan.block_table.shape[1])
-        used = columns[None, :] < used_lengths[:, None]
-        blocks, compact = torch.unique(plan.block_table[used].long(), return_inverse=True)
-        table = torch.zeros_like(plan.block_table)
-        table[used] = compact.to(table.dtype)
+        blocks = attn_metadata.fca_blocks
+        if blocks is None:
+            # Metadata that did not come through FcaCpuMetadataBuilder.build: compact here.
+            blocks, plan = _compact_plan(attn_metadata.fca)
+            attn_metadata = replace_plan(attn_metadata, plan)
         tiles = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_size)[blocks]
         shape = (len(blocks), num_kv_heads, block_size, head_size)
         key_cache = tiles[:, :, 0][..., key_positions].view(shape).permute(0, 2, 1, 3)
         value_cache = tiles[:, :, 1][..., value_positions].view(shape).permute(0, 2, 1, 3)
-        return key_cache, value_cache, replace_plan(attn_metadata, replace(plan, block_table=table))
+        return key_cache, value_cache, attn_metadata
 
 
 class FcaCpuAttentionBackend(CPUAttentionBackend):

@@ -214,9 +214,7 @@ def forest_decode_torch(
         return
     merged_out, merged_lse = _attend(query, index.suffix_queries, key_cache, value_cache, index.suffix_keys, scale)
     if index.prefix_keys is not None and index.prefix_queries is not None and index.prefix_slots is not None:
-        prefix_out, prefix_lse = _attend(
-            query, index.prefix_queries, key_cache, value_cache, index.prefix_keys, scale
-        )
+        prefix_out, prefix_lse = _attend(query, index.prefix_queries, key_cache, value_cache, index.prefix_keys, scale)
         # Ungrouped rows merge with an empty prefix (lse -inf, out 0): exactly their suffix state.
         grouped_out = torch.zeros_like(merged_out)
         grouped_lse = torch.full_like(merged_lse, float("-inf"))
