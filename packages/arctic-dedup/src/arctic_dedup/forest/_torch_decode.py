@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from arctic_dedup.forest.plan_types import ForestPlan
@@ -21,28 +22,31 @@ __all__ = ["TorchDecodeIndex", "build_torch_decode_index", "forest_decode_torch"
 
 @dataclass(frozen=True)
 class TorchKeySlots:
-    """Padded cache slots of a batch of key ranges: slot ``[i, j]`` is ``cache[blocks[i, j], offsets[i, j]]``.
+    """Padded cache slots of a batch of items: slot ``[i, k]`` is ``cache[blocks[i, k], offsets[i, k]]``.
 
-    ``visible [I, Q, K]`` says which slots each of the item's ``Q`` query rows attends to (padding never). Padding
-    points at position 0 of the item's block-table row, a token of its context, except for an item whose row holds
-    no token (a request of length 0): there it reads whatever the cache holds (NaN included), so ``zero_padding``
-    asks for padding values to be zeroed before use.
+    ``hidden [I, 1, G * Q, K]``: which slots each of the item's query rows (GQA heads of a kv head by ``Q`` padded
+    query tokens) must not see (padding, and keys after a query token); ``[I, 1, 1, K]`` (padding only) where every
+    row sees every key. Padding points at position 0 of the item's
+    block-table row, a token of its context, except for an item whose row holds no token (a request of length 0):
+    there it reads whatever the cache holds (NaN included), so ``zero_padding`` asks for padding values to be zeroed
+    (``valid [I, K]``) before use.
     """
 
     blocks: torch.Tensor
     offsets: torch.Tensor
+    hidden: torch.Tensor
     valid: torch.Tensor
-    visible: torch.Tensor
     zero_padding: bool
 
 
 @dataclass(frozen=True)
 class TorchQueryRows:
-    """Padded query rows of a batch of items: ``rows [I, Q]`` (padding repeats a real row), ``written [R]`` the
-    flat indices (into ``I * Q``) of the real ones in the order of ``TorchDecodeIndex.rows``."""
+    """Padded query rows of a batch of items: ``rows [I * Q]`` (flat, padding repeats a real row) and ``written
+    [R]``, the flat positions of the real ones, in the order of ``TorchDecodeIndex.rows``."""
 
     rows: torch.Tensor
     written: torch.Tensor
+    width: int
 
 
 @dataclass(frozen=True)
@@ -64,101 +68,94 @@ class TorchDecodeIndex:
 
 
 def _key_slots(
-    table_rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, query_positions: torch.Tensor | None, block: int
+    table_rows: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    query_positions: np.ndarray | None,
+    block: int,
+    queries_per_kv: int,
+    device: torch.device,
 ) -> TorchKeySlots:
     """Slots of the keys ``starts[i] <= position < ends[i]`` of block-table row ``table_rows[i]``; with
-    ``query_positions [I, Q]`` a slot is visible to a query row at or after its position, else to every row."""
-    lengths = (ends - starts).clamp(min=0)
-    width = int(lengths.max()) if lengths.numel() else 0
-    within = torch.arange(width, dtype=torch.int64)
+    ``query_positions [I, Q]`` a query row sees the slots at or before its position, else every slot."""
+    lengths = np.maximum(ends - starts, 0)
+    within = np.arange(lengths.max(initial=0))
     valid = within[None, :] < lengths[:, None]
-    positions = torch.where(valid, starts[:, None] + within[None, :], 0)
-    blocks = table_rows.gather(1, positions // block).long()
-    offsets = positions % block
+    positions = np.where(valid, starts[:, None] + within[None, :], 0)
+    blocks = np.take_along_axis(table_rows, positions // block, axis=1)
     if query_positions is None:
-        visible = valid[:, None, :]
+        hidden = ~valid[:, None, None, :]
     else:
         visible = valid[:, None, :] & (positions[:, None, :] <= query_positions[:, :, None])
+        # Rows are (GQA head, query token) pairs, head-major, as _attend lays the queries out.
+        hidden = np.tile(~visible, (1, queries_per_kv, 1))[:, None]
     zero_padding = bool((~valid).any()) and bool((ends <= 0).any())
-    return TorchKeySlots(blocks, offsets, valid, visible, zero_padding)
-
-
-def _query_rows(first_rows: torch.Tensor, counts: torch.Tensor) -> tuple[TorchQueryRows, torch.Tensor]:
-    """Items whose rows are ``first_rows[i] + j`` for ``j < counts[i]`` (requests: one run each) -> their padded
-    rows and, flat in item order, the rows themselves."""
-    width = int(counts.max()) if counts.numel() else 0
-    within = torch.arange(width, dtype=torch.int64)
-    real = within[None, :] < counts[:, None]
-    rows = first_rows[:, None] + torch.where(real, within[None, :], 0)
-    flat = real.flatten().nonzero().squeeze(1)
-    return TorchQueryRows(rows, flat), rows.flatten()[flat]
-
-
-def build_torch_decode_index(plan: ForestPlan) -> TorchDecodeIndex:
-    """Read the plan on the host once and lay out every layer's gathers (see ``TorchDecodeIndex``)."""
-    block = plan.block_size
-    table = plan.block_table.cpu()
-    starts = plan.query_start_loc.cpu().long()
-    seq_lens = plan.seq_lens.cpu().long()
-    prefix_blocks = plan.prefix_blocks.cpu().long()
-    leaders = plan.group_leader.cpu().long()
-    counts = starts[1:] - starts[:-1]
-
-    active = (counts > 0).nonzero().squeeze(1)
-    suffix_queries, rows = _query_rows(starts[active], counts[active])
-    query_positions = seq_lens[active, None] - counts[active, None] + torch.arange(suffix_queries.rows.shape[1])
-    suffix_keys = _key_slots(table[active], prefix_blocks[active] * block, seq_lens[active], query_positions, block)
-
-    prefix_keys = prefix_queries = prefix_slots = None
-    grouped = active[prefix_blocks[active] > 0]
-    if grouped.numel():
-        group_leaders, group_of = torch.unique(leaders[grouped], return_inverse=True)
-        # Each group's rows are its members' rows in request order: sort the members by group, stably.
-        order = torch.sort(group_of, stable=True).indices
-        members, member_group = grouped[order], group_of[order]
-        member_rows = torch.repeat_interleave(starts[members], counts[members]) + _runs(counts[members])
-        row_group = torch.repeat_interleave(member_group, counts[members])
-        group_counts = torch.bincount(row_group, minlength=len(group_leaders))
-        group_first = torch.cumsum(group_counts, 0) - group_counts
-        rank = torch.arange(len(member_rows)) - group_first[row_group]
-        width = int(group_counts.max())
-        padded_rows = member_rows[group_first][:, None].expand(-1, width).clone()
-        padded_rows[row_group, rank] = member_rows
-        written = row_group * width + rank
-        prefix_queries = TorchQueryRows(padded_rows, written)
-        ends = prefix_blocks[group_leaders] * block
-        prefix_keys = _key_slots(table[group_leaders], torch.zeros_like(ends), ends, None, block)
-        slot_of_row = torch.full((int(starts[-1]) + 1,), -1, dtype=torch.int64)
-        slot_of_row[rows] = torch.arange(len(rows))
-        prefix_slots = slot_of_row[member_rows]
-
-    device = plan.block_table.device
-
-    def moved(slots: TorchKeySlots) -> TorchKeySlots:
-        return TorchKeySlots(
-            slots.blocks.to(device),
-            slots.offsets.to(device),
-            slots.valid.to(device),
-            slots.visible.to(device),
-            slots.zero_padding,
-        )
-
-    return TorchDecodeIndex(
-        rows=rows.to(device),
-        suffix_keys=moved(suffix_keys),
-        suffix_queries=TorchQueryRows(suffix_queries.rows.to(device), suffix_queries.written.to(device)),
-        prefix_keys=None if prefix_keys is None else moved(prefix_keys),
-        prefix_queries=None
-        if prefix_queries is None
-        else TorchQueryRows(prefix_queries.rows.to(device), prefix_queries.written.to(device)),
-        prefix_slots=None if prefix_slots is None else prefix_slots.to(device),
+    return TorchKeySlots(
+        _tensor(blocks, device),
+        _tensor(positions % block, device),
+        _tensor(hidden, device),
+        _tensor(valid, device),
+        zero_padding,
     )
 
 
-def _runs(counts: torch.Tensor) -> torch.Tensor:
-    """``0..counts[0]-1, 0..counts[1]-1, ...`` (flat)."""
-    firsts = torch.cumsum(counts, 0) - counts
-    return torch.arange(int(counts.sum())) - torch.repeat_interleave(firsts, counts)
+def _query_rows(first_rows: np.ndarray, counts: np.ndarray, device: torch.device) -> tuple[TorchQueryRows, np.ndarray]:
+    """Items whose rows are ``first_rows[i] + j`` for ``j < counts[i]`` -> their padded rows, and the real rows in
+    item order."""
+    width = int(counts.max(initial=0))
+    within = np.arange(width)
+    real = within[None, :] < counts[:, None]
+    rows = (first_rows[:, None] + np.where(real, within[None, :], 0)).reshape(-1)
+    written = np.flatnonzero(real)
+    return TorchQueryRows(_tensor(rows, device), _tensor(written, device), width), rows[written]
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def build_torch_decode_index(plan: ForestPlan, device: torch.device) -> TorchDecodeIndex:
+    """Read the plan on the host once and lay out every layer's gathers (see ``TorchDecodeIndex``)."""
+    block, queries_per_kv = plan.block_size, plan.queries_per_kv
+    table = plan.block_table.cpu().numpy().astype(np.int64)
+    starts = plan.query_start_loc.cpu().numpy().astype(np.int64)
+    seq_lens = plan.seq_lens.cpu().numpy().astype(np.int64)
+    prefix_blocks = plan.prefix_blocks.cpu().numpy().astype(np.int64)
+    leaders = plan.group_leader.cpu().numpy().astype(np.int64)
+    counts = starts[1:] - starts[:-1]
+
+    active = np.flatnonzero(counts > 0)
+    suffix_queries, rows = _query_rows(starts[active], counts[active], device)
+    query_positions = (seq_lens[active] - counts[active])[:, None] + np.arange(suffix_queries.width)[None, :]
+    suffix_keys = _key_slots(
+        table[active], prefix_blocks[active] * block, seq_lens[active], query_positions, block, queries_per_kv, device
+    )
+
+    prefix_keys = prefix_queries = prefix_slots = None
+    grouped = active[prefix_blocks[active] > 0]
+    if len(grouped):
+        group_leaders, group_of = np.unique(leaders[grouped], return_inverse=True)
+        # Each group's rows are its members' rows in request order: sort the members by group, stably.
+        members = grouped[np.argsort(group_of, kind="stable")]
+        member_counts = counts[members]
+        member_firsts = np.cumsum(member_counts) - member_counts
+        member_rows = np.repeat(starts[members] - member_firsts, member_counts) + np.arange(member_counts.sum())
+        row_group = np.repeat(np.sort(group_of, kind="stable"), member_counts)
+        group_counts = np.bincount(row_group, minlength=len(group_leaders))
+        group_firsts = np.cumsum(group_counts) - group_counts
+        width = int(group_counts.max())
+        written = row_group * width + np.arange(len(member_rows)) - group_firsts[row_group]
+        padded_rows = np.repeat(member_rows[group_firsts], width)
+        padded_rows[written] = member_rows
+        prefix_queries = TorchQueryRows(_tensor(padded_rows, device), _tensor(written, device), width)
+        ends = prefix_blocks[group_leaders] * block
+        prefix_keys = _key_slots(table[group_leaders], np.zeros_like(ends), ends, None, block, queries_per_kv, device)
+        slot_of_row = np.full(int(starts[-1]) + 1, -1, dtype=np.int64)
+        slot_of_row[rows] = np.arange(len(rows))
+        prefix_slots = _tensor(slot_of_row[member_rows], device)
+    return TorchDecodeIndex(
+        _tensor(rows, device), suffix_keys, suffix_queries, prefix_keys, prefix_queries, prefix_slots
+    )
 
 
 def _gather(cache: torch.Tensor, slots: TorchKeySlots) -> torch.Tensor:
@@ -179,18 +176,21 @@ def _attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each item's query rows over its key slots -> (out ``[R, H_q, D]``, lse ``[R, H_q]``) of the
     real rows (``queries.written`` order), fp32; a row that sees no key gets out 0 and lse ``-inf``."""
-    keys = _gather(key_cache, slots)
-    values = _gather(value_cache, slots)
-    items, width = queries.rows.shape
-    num_kv_heads, head_dim = keys.shape[2], keys.shape[3]
-    rows = query[queries.rows.flatten()].float().view(items, width, num_kv_heads, -1, head_dim)
-    scores = torch.einsum("iqhgd,ikhd->ihgqk", rows, keys) * scale
-    scores = scores.masked_fill(~slots.visible[:, None, None], float("-inf"))
+    keys = _gather(key_cache, slots).permute(0, 2, 3, 1)
+    values = _gather(value_cache, slots).transpose(1, 2)
+    items, num_kv_heads, head_dim, _ = keys.shape
+    width = queries.width
+    # [I, Q, H_kv, G, D] -> [I, H_kv, G * Q, D]: each kv head's rows are its GQA heads' query tokens.
+    rows = query[queries.rows].float().view(items, width, num_kv_heads, -1, head_dim)
+    rows = rows.permute(0, 2, 3, 1, 4).reshape(items, num_kv_heads, -1, head_dim)
+    scores = torch.matmul(rows, keys) * scale
+    scores = scores.masked_fill(slots.hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("ihgqk,ikhd->iqhgd", weights, values).reshape(items * width, -1, head_dim)
-    flat_lse = lse.permute(0, 3, 1, 2).reshape(items * width, -1)
-    return out[queries.written], flat_lse[queries.written]
+    out = torch.matmul(weights, values).view(items, num_kv_heads, -1, width, head_dim)
+    out = out.permute(0, 3, 1, 2, 4).reshape(items * width, -1, head_dim)
+    lse = lse.view(items, num_kv_heads, -1, width).permute(0, 3, 1, 2).reshape(items * width, -1)
+    return out[queries.written], lse[queries.written]
 
 
 def forest_decode_torch(
@@ -209,17 +209,16 @@ def forest_decode_torch(
     key = (plan.block_size, query.device)
     index = plan.torch_indices.get(key)
     if index is None:
-        index = plan.torch_indices[key] = build_torch_decode_index(plan)
+        index = plan.torch_indices[key] = build_torch_decode_index(plan, query.device)
     if index.rows.numel() == 0:
         return
     merged_out, merged_lse = _attend(query, index.suffix_queries, key_cache, value_cache, index.suffix_keys, scale)
     if index.prefix_keys is not None and index.prefix_queries is not None and index.prefix_slots is not None:
         prefix_out, prefix_lse = _attend(query, index.prefix_queries, key_cache, value_cache, index.prefix_keys, scale)
-        # Ungrouped rows merge with an empty prefix (lse -inf, out 0): exactly their suffix state.
-        grouped_out = torch.zeros_like(merged_out)
-        grouped_lse = torch.full_like(merged_lse, float("-inf"))
-        grouped_out[index.prefix_slots] = prefix_out
-        grouped_lse[index.prefix_slots] = prefix_lse
-        merged_out, merged_lse = merge_attention_states(merged_out, merged_lse, grouped_out, grouped_lse)
+        # Ungrouped rows keep their suffix state: it is their whole context.
+        slots = index.prefix_slots
+        grouped_out, grouped_lse = merge_attention_states(merged_out[slots], merged_lse[slots], prefix_out, prefix_lse)
+        merged_out[slots] = grouped_out
+        merged_lse[slots] = grouped_lse
     out[index.rows] = merged_out.to(out.dtype)
     lse[index.rows] = merged_lse
