@@ -42,10 +42,11 @@ class TorchKeySlots:
 @dataclass(frozen=True)
 class TorchQueryRows:
     """Padded query rows of a batch of items: ``rows [I * Q]`` (flat, padding repeats a real row) and ``written
-    [R]``, the flat positions of the real ones, in the order of ``TorchDecodeIndex.rows``."""
+    [R]``, the flat positions of the real ones, in the order of ``TorchDecodeIndex.rows`` (``None``: all of them,
+    no padding)."""
 
     rows: torch.Tensor
-    written: torch.Tensor
+    written: torch.Tensor | None
     width: int
 
 
@@ -53,10 +54,11 @@ class TorchQueryRows:
 class TorchDecodeIndex:
     """Host-built gather indices of one plan for the torch path.
 
-    ``rows [R]``: the query rows the call writes (the requests' query tokens, in request order). Suffix items are
-    the requests with query tokens, each over its tokens after its group's prefix, causal within its query tokens;
-    prefix items (``None`` when no request is grouped) are the groups with query tokens, each over its leader's
-    shared prefix for all its members' rows; ``prefix_slots [R_p]`` places the prefix items' rows among ``rows``.
+    ``rows [R]``: the query rows the call writes. Suffix items are the requests with query tokens, each over its
+    tokens after its group's prefix, causal within its query tokens: first the grouped requests, group by group (in
+    request order within a group), then the others. Prefix items (``None`` when no request is grouped) are the
+    groups with query tokens, each over its leader's shared prefix for all its members' rows, so their rows are the
+    first ``len(prefix rows)`` of ``rows``, in the same order.
     """
 
     rows: torch.Tensor
@@ -64,7 +66,6 @@ class TorchDecodeIndex:
     suffix_queries: TorchQueryRows
     prefix_keys: TorchKeySlots | None
     prefix_queries: TorchQueryRows | None
-    prefix_slots: torch.Tensor | None
 
 
 def _key_slots(
@@ -99,15 +100,16 @@ def _key_slots(
     )
 
 
-def _query_rows(first_rows: np.ndarray, counts: np.ndarray, device: torch.device) -> tuple[TorchQueryRows, np.ndarray]:
-    """Items whose rows are ``first_rows[i] + j`` for ``j < counts[i]`` -> their padded rows, and the real rows in
-    item order."""
+def _query_rows(real_rows: np.ndarray, item_of_row: np.ndarray, items: int, device: torch.device) -> TorchQueryRows:
+    """Items holding ``real_rows`` (sorted by ``item_of_row``) -> each item's rows padded to the most any holds."""
+    counts = np.bincount(item_of_row, minlength=items)
+    firsts = np.cumsum(counts) - counts
     width = int(counts.max(initial=0))
-    within = np.arange(width)
-    real = within[None, :] < counts[:, None]
-    rows = (first_rows[:, None] + np.where(real, within[None, :], 0)).reshape(-1)
-    written = np.flatnonzero(real)
-    return TorchQueryRows(_tensor(rows, device), _tensor(written, device), width), rows[written]
+    written = item_of_row * width + np.arange(len(real_rows)) - firsts[item_of_row]
+    padded = np.repeat(real_rows[firsts] if len(real_rows) else real_rows, width)
+    padded[written] = real_rows
+    identity = len(written) == items * width
+    return TorchQueryRows(_tensor(padded, device), None if identity else _tensor(written, device), width)
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -125,37 +127,27 @@ def build_torch_decode_index(plan: ForestPlan, device: torch.device) -> TorchDec
     counts = starts[1:] - starts[:-1]
 
     active = np.flatnonzero(counts > 0)
-    suffix_queries, rows = _query_rows(starts[active], counts[active], device)
-    query_positions = (seq_lens[active] - counts[active])[:, None] + np.arange(suffix_queries.width)[None, :]
+    grouped = prefix_blocks[active] > 0
+    group_leaders, group_of = np.unique(leaders[active[grouped]], return_inverse=True)
+    # Grouped requests first, group by group (stable: request order within a group), then the ungrouped ones.
+    order = np.concatenate([active[grouped][np.argsort(group_of, kind="stable")], active[~grouped]])
+    request_counts = counts[order]
+    firsts = np.cumsum(request_counts) - request_counts
+    rows = np.repeat(starts[order] - firsts, request_counts) + np.arange(request_counts.sum())
+    item_of_row = np.repeat(np.arange(len(order)), request_counts)
+    suffix_queries = _query_rows(rows, item_of_row, len(order), device)
+    query_positions = (seq_lens[order] - counts[order])[:, None] + np.arange(suffix_queries.width)[None, :]
     suffix_keys = _key_slots(
-        table[active], prefix_blocks[active] * block, seq_lens[active], query_positions, block, queries_per_kv, device
+        table[order], prefix_blocks[order] * block, seq_lens[order], query_positions, block, queries_per_kv, device
     )
 
-    prefix_keys = prefix_queries = prefix_slots = None
-    grouped = active[prefix_blocks[active] > 0]
-    if len(grouped):
-        group_leaders, group_of = np.unique(leaders[grouped], return_inverse=True)
-        # Each group's rows are its members' rows in request order: sort the members by group, stably.
-        members = grouped[np.argsort(group_of, kind="stable")]
-        member_counts = counts[members]
-        member_firsts = np.cumsum(member_counts) - member_counts
-        member_rows = np.repeat(starts[members] - member_firsts, member_counts) + np.arange(member_counts.sum())
-        row_group = np.repeat(np.sort(group_of, kind="stable"), member_counts)
-        group_counts = np.bincount(row_group, minlength=len(group_leaders))
-        group_firsts = np.cumsum(group_counts) - group_counts
-        width = int(group_counts.max())
-        written = row_group * width + np.arange(len(member_rows)) - group_firsts[row_group]
-        padded_rows = np.repeat(member_rows[group_firsts], width)
-        padded_rows[written] = member_rows
-        prefix_queries = TorchQueryRows(_tensor(padded_rows, device), _tensor(written, device), width)
+    prefix_keys = prefix_queries = None
+    if len(group_leaders):
+        group_of_row = np.repeat(np.sort(group_of, kind="stable"), request_counts[: len(group_of)])
+        prefix_queries = _query_rows(rows[: len(group_of_row)], group_of_row, len(group_leaders), device)
         ends = prefix_blocks[group_leaders] * block
         prefix_keys = _key_slots(table[group_leaders], np.zeros_like(ends), ends, None, block, queries_per_kv, device)
-        slot_of_row = np.full(int(starts[-1]) + 1, -1, dtype=np.int64)
-        slot_of_row[rows] = np.arange(len(rows))
-        prefix_slots = _tensor(slot_of_row[member_rows], device)
-    return TorchDecodeIndex(
-        _tensor(rows, device), suffix_keys, suffix_queries, prefix_keys, prefix_queries, prefix_slots
-    )
+    return TorchDecodeIndex(_tensor(rows, device), suffix_keys, suffix_queries, prefix_keys, prefix_queries)
 
 
 def _gather(cache: torch.Tensor, slots: TorchKeySlots) -> torch.Tensor:
@@ -185,11 +177,19 @@ def _attend(
     rows = rows.permute(0, 2, 3, 1, 4).reshape(items, num_kv_heads, -1, head_dim)
     scores = torch.matmul(rows, keys) * scale
     scores = scores.masked_fill(slots.hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.matmul(weights, values).view(items, num_kv_heads, -1, width, head_dim)
-    out = out.permute(0, 3, 1, 2, 4).reshape(items * width, -1, head_dim)
+    # Softmax by hand (one exp for the weights and the lse); a row that sees no key has maximum -inf: shift it by
+    # 0 so its weights are exp(-inf) = 0, its sum 0, its lse log(0) = -inf, and its output 0 / 1 = 0.
+    maximum = scores.amax(dim=-1, keepdim=True)
+    maximum = torch.where(torch.isinf(maximum), 0.0, maximum)
+    weights = torch.exp(scores - maximum)
+    total = weights.sum(dim=-1, keepdim=True)
+    lse = (torch.log(total) + maximum).squeeze(-1)
+    # A row that sees a key has total >= 1 (its maximum's weight is 1), so the clamp only touches empty rows.
+    out = torch.matmul(weights, values) / total.clamp(min=1.0)
+    out = out.view(items, num_kv_heads, -1, width, head_dim).permute(0, 3, 1, 2, 4).reshape(items * width, -1, head_dim)
     lse = lse.view(items, num_kv_heads, -1, width).permute(0, 3, 1, 2).reshape(items * width, -1)
+    if queries.written is None:
+        return out, lse
     return out[queries.written], lse[queries.written]
 
 
@@ -213,12 +213,14 @@ def forest_decode_torch(
     if index.rows.numel() == 0:
         return
     merged_out, merged_lse = _attend(query, index.suffix_queries, key_cache, value_cache, index.suffix_keys, scale)
-    if index.prefix_keys is not None and index.prefix_queries is not None and index.prefix_slots is not None:
+    if index.prefix_keys is not None and index.prefix_queries is not None:
         prefix_out, prefix_lse = _attend(query, index.prefix_queries, key_cache, value_cache, index.prefix_keys, scale)
-        # Ungrouped rows keep their suffix state: it is their whole context.
-        slots = index.prefix_slots
-        grouped_out, grouped_lse = merge_attention_states(merged_out[slots], merged_lse[slots], prefix_out, prefix_lse)
-        merged_out[slots] = grouped_out
-        merged_lse[slots] = grouped_lse
+        # The grouped rows lead, in the prefix items' order; the others keep their suffix state (their whole context).
+        grouped = len(prefix_lse)
+        grouped_out, grouped_lse = merge_attention_states(
+            merged_out[:grouped], merged_lse[:grouped], prefix_out, prefix_lse
+        )
+        merged_out[:grouped] = grouped_out
+        merged_lse[:grouped] = grouped_lse
     out[index.rows] = merged_out.to(out.dtype)
     lse[index.rows] = merged_lse
