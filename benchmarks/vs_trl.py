@@ -359,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=5, help="last steps whose mean reward is reported")
     # Ray starts each of our engine workers (a fractional CPU claim) with OMP_NUM_THREADS=1; TRL gets the same.
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL's process")
-    # On the CPU build FCA decodes with arctic-dedup's torch reference (a loop over work items): a correctness path
-    # that costs the tiny regime ~0.2 s a step (see the notes); the main job keeps it on to show the grouping.
+    # On the CPU build FCA decodes with arctic-dedup's batched torch path, which still costs the tiny regime a few
+    # hundredths of a second a step over vLLM's CPU attention (see the notes); the main job keeps it on to show the
+    # grouping.
     parser.add_argument("--no-fca", action="store_true", help="sample without Forest Cascade Attention")
     parser.add_argument("--smoke", action="store_true", help="3 steps each, window 1: checks the script")
     parser.add_argument("--out", type=Path, default=None)
