@@ -599,7 +599,8 @@ def _spec_to_json(spec: EngineSpec) -> dict[str, Any]:
 
 def _spec_from_json(data: dict[str, Any]) -> EngineSpec:
     rows = tuple(Row(**row) for row in data.pop("rows"))
-    exactness = Exactness(**data["exactness"]) if data.pop("exactness") else None
+    exactness_fields = data.pop("exactness")
+    exactness = Exactness(**exactness_fields) if exactness_fields else None
     return EngineSpec(rows=rows, exactness=exactness, **data)
 
 

@@ -116,6 +116,8 @@ def client_config(model_dir: str, settings: RunSettings, gpus: int) -> Any:
     from arctic_rl import ArcticRLClientConfig
 
     sampling: dict[str, Any] = {"max_model_len": 256 + settings.prompt_padding}
+    # No GPUs asked for means the CPU, also on a machine that has GPUs (the device would otherwise resolve to cuda).
+    device = "cpu" if gpus == 0 else "auto"
     if gpus == 0:
         sampling["kv_cache_space_gib"] = 1  # vLLM's CPU build: a small KV cache is plenty
         sampling["engine_args"] = {"block_size": CPU_KV_BLOCK}
@@ -124,6 +126,7 @@ def client_config(model_dir: str, settings: RunSettings, gpus: int) -> Any:
     return ArcticRLClientConfig(
         model_name=model_dir,
         comm_protocol="ray",
+        device=device,
         training_gpus=1,
         sampling_gpus=1,
         log_prob_gpus=0,

@@ -100,6 +100,18 @@ def test_an_engine_in_its_own_process_reports_its_rows(tmp_path: Path, monkeypat
     assert measured["split"]["attention_ms"] > 0 and measured["ms_per_step"] > 0
 
 
+def test_an_engine_spec_survives_the_trip_to_its_process() -> None:
+    # Each GPU engine reads its spec back from JSON in its own process; exactness engines carry a nested spec.
+    import fca_vllm
+
+    specs = [
+        fca_vllm.EngineSpec("exactness", "06b", "fca", "float32", "/m", exactness=fca_vllm.GPU_EXACTNESS),
+        fca_vllm.EngineSpec("timing", "4b", "default", "bfloat16", "/m", rows=tuple(fca_vllm.ROWS[:2])),
+    ]
+    for spec in specs:
+        assert fca_vllm._spec_from_json(json.loads(json.dumps(fca_vllm._spec_to_json(spec)))) == spec
+
+
 def test_an_engine_past_its_time_limit_is_ended_and_reported(tmp_path: Path) -> None:
     import fca_vllm
 

@@ -110,6 +110,18 @@ def test_the_main_job_places_the_engines_for_the_machine(gpus: int) -> None:
     assert type(config).model_validate_json(config.model_dump_json()) == config
 
 
+def test_no_gpus_means_the_cpu_also_where_a_gpu_is_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vs_trl and rl_step_gpu read the CPU config's training settings on GPU machines: 'auto' would resolve to cuda
+    # there and refuse the CPU build's KV-cache size.
+    pytest.importorskip("arctic_rl")
+    import torch
+    from grpo_parity import RunSettings, client_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = client_config("model-dir", RunSettings(), 0)
+    assert config.resolved_device() == "cpu" and config.sampling.kv_cache_space_gib == 1
+
+
 @pytest.mark.parametrize("matplotlib", [True, False], ids=["with-matplotlib", "without-matplotlib"])
 def test_results_are_written_first_and_the_plot_is_optional(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], matplotlib: bool

@@ -262,6 +262,106 @@ def test_trainer_transfer_init_info_is_valid_for_vllm(
     assert init_info.packed_buffer_size_bytes == 64 * 1024 * 1024
 
 
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("rank", [0, 1])
+def test_cuda_ipc_on_a_vllm_without_trainer_engines_sends_the_same_rounds(
+    rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.26 (the GPU machines' build) has no ``IPCTrainerInitInfo``: its IPC trainer side is the static
+    ``IPCWeightTransferEngine.trainer_send_weights(iterator, IPCTrainerSendWeightsArgs(send_mode=...))``, which hands
+    each update to ``send_mode`` and drops its own references to the shared tensors before returning."""
+    import weakref
+    from dataclasses import dataclass, field
+
+    from vllm.distributed.weight_transfer import ipc_engine
+
+    from arctic_rl.engines.weight_sync import create_trainer_transfer
+
+    @dataclass
+    class SendArgs:  # vLLM 0.26's IPCTrainerSendWeightsArgs, the fields used here
+        send_mode: Any
+        packed: bool = False
+        packed_buffer_size_bytes: int = 0
+
+    @dataclass
+    class UpdateInfo:
+        names: list[str]
+        shapes: list[list[int]] = field(default_factory=list)
+        packed: bool = False
+
+    def trainer_send_weights(iterator: Any, args: SendArgs) -> None:
+        names, shapes = [], []
+        for name, tensor in iterator:
+            names.append(name)
+            shapes.append(list(tensor.shape))
+            alive.append(weakref.ref(tensor))  # the handles vLLM shares point into what it was handed
+        if rank == 0:  # vLLM sends from rank 0 only
+            args.send_mode(UpdateInfo(names, shapes, args.packed))
+
+    monkeypatch.delattr(ipc_engine, "IPCTrainerInitInfo", raising=False)
+    monkeypatch.setattr(ipc_engine, "IPCTrainerSendWeightsArgs", SendArgs, raising=False)
+    monkeypatch.setattr(
+        ipc_engine.IPCWeightTransferEngine, "trainer_send_weights", staticmethod(trainer_send_weights), raising=False
+    )
+    calls: list[tuple[str, Any]] = []
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    def sampler(method: str, args: tuple[Any, ...]) -> None:
+        if method == "transfer_finish":  # the samplers may read the shared tensors until they finished loading
+            assert alive and all(ref() is not None for ref in alive)
+        calls.append((method, args))
+
+    def parameters() -> Any:
+        for index in range(3):
+            yield f"w{index}", torch.full((2, index + 1), float(index))
+
+    transfer = create_trainer_transfer(
+        "cuda_ipc",
+        client=SamplerWeightSyncClient(sampler),
+        parameters=parameters,
+        metadata=[],
+        rank=rank,
+        bucket_mb=8,
+        low_memory=True,
+    )
+    transfer.send_weights()
+    transfer.shutdown()
+    if rank:
+        assert calls == [] and len(alive) == 3  # non-senders iterate (collective gathers) but never call a sampler
+        return
+    update = {"names": ["w0", "w1", "w2"], "shapes": [[2, 1], [2, 2], [2, 3]], "packed": True}
+    assert calls == [
+        ("transfer_init", ({},)),
+        ("transfer_start", ()),
+        ("transfer_update", (update,)),
+        ("transfer_finish", ()),
+    ]
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_nccl_on_a_vllm_without_trainer_engines_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.weight_transfer import nccl_engine
+
+    from arctic_rl.engines.weight_sync import create_trainer_transfer
+
+    monkeypatch.delattr(nccl_engine, "NCCLTrainerInitInfo", raising=False)
+    with pytest.raises(RuntimeError, match="cuda_ipc"):
+        create_trainer_transfer(
+            "nccl",
+            client=SamplerWeightSyncClient(lambda method, args: None),
+            parameters=lambda: iter([]),
+            metadata=[],
+            rank=0,
+            bucket_mb=1,
+            low_memory=False,
+            master_address="127.0.0.1",
+            master_port=29555,
+            sampler_world_size=1,
+        )
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_nccl_transfer_needs_its_rendezvous() -> None:

@@ -474,7 +474,10 @@ class SamplingEngine:
         if self.weight_sync == "object_store" or not self._transfer_ready:
             return
         self._transfer_ready = False
-        self._llm.shutdown_weight_transfer_engine()
+        # vLLM 0.26 (the GPU machines' build) has no such call: its IPC receiver holds nothing to release.
+        shutdown = getattr(self._llm, "shutdown_weight_transfer_engine", None)
+        if shutdown is not None:
+            shutdown()
 
     def weight_norm(self) -> float:
         """fp64 ``sqrt(sum of squares)`` over every vLLM parameter (shards summed, replicated parameters once).

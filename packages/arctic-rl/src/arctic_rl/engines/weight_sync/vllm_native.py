@@ -7,7 +7,7 @@ anywhere."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -15,12 +15,13 @@ from arctic_rl.engines.weight_sync.gloo import GLOO_BACKEND, gloo_trainer_init_i
 from arctic_rl.engines.weight_sync.in_process import IN_PROCESS_BACKEND
 
 if TYPE_CHECKING:
-    from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransferEngine, VLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
 
 __all__ = [
     "CrossProcessMethod",
     "SamplerCall",
     "SamplerWeightSyncClient",
+    "TrainerTransfer",
     "TransferMethod",
     "create_trainer_transfer",
     "vllm_transfer_backend",
@@ -46,6 +47,15 @@ def vllm_transfer_backend(method: TransferMethod) -> str:
             f"weight_sync.method must be one of {sorted(_VLLM_BACKENDS)} once resolved, got {method!r}; "
             "resolve 'auto' with ArcticRLClientConfig.resolved_weight_sync()."
         ) from None
+
+
+class TrainerTransfer(Protocol):
+    """The trainer side of a cross-process weight transfer, as :func:`create_trainer_transfer` returns it (vLLM's
+    ``TrainerWeightTransferEngine``, or the same rounds on vLLM releases that have none for the method)."""
+
+    def send_weights(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 SamplerCall = Callable[[str, tuple[Any, ...]], None]
@@ -111,7 +121,7 @@ def create_trainer_transfer(
     master_port: int | None = None,
     sampler_world_size: int | None = None,
     timeout_s: float = 300.0,
-) -> TrainerWeightTransferEngine[Any]:
+) -> TrainerTransfer:
     """Build (and rendezvous) vLLM's trainer-side engine for ``method``; call ``.send_weights()`` once per sync.
 
     Call on every trainer rank (rank 0 sends; the others only join the collective gathers of ``parameters``).
@@ -125,9 +135,7 @@ def create_trainer_transfer(
     - ``gloo``: like ``nccl`` (same rendezvous arguments) over a gloo group, one broadcast per ``bucket_mb`` bucket;
       the group waits ``timeout_s`` for its members at the rendezvous and for every broadcast.
     """
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory, ipc_engine, nccl_engine
 
     bucket_bytes = bucket_mb * 1024 * 1024
     source = _parameter_stream_source(parameters, metadata)
@@ -150,7 +158,13 @@ def create_trainer_transfer(
         )
     elif method == "nccl":
         assert master_address is not None and master_port is not None and sampler_world_size is not None
-        init_info = NCCLTrainerInitInfo(
+        if not hasattr(nccl_engine, "NCCLTrainerInitInfo"):
+            raise RuntimeError(
+                "weight_sync.method='nccl' needs vLLM's trainer-side NCCL engine, which this vLLM "
+                f"({_vllm_version()}) does not have (vLLM 0.32 has it, 0.26 does not): upgrade vLLM, or colocate the "
+                "engines on one GPU (weight_sync.method='cuda_ipc')."
+            )
+        init_info = nccl_engine.NCCLTrainerInitInfo(
             master_address=master_address,
             master_port=master_port,
             world_size=1 + sampler_world_size,
@@ -160,7 +174,62 @@ def create_trainer_transfer(
             rank=rank,
         )
     elif method == "cuda_ipc":
-        init_info = IPCTrainerInitInfo(packed=low_memory, packed_buffer_size_bytes=bucket_bytes, rank=rank)
+        if not hasattr(ipc_engine, "IPCTrainerInitInfo"):
+            return _StaticCallIpcTransfer(client, source, rank=rank, packed=low_memory, bucket_bytes=bucket_bytes)
+        init_info = ipc_engine.IPCTrainerInitInfo(packed=low_memory, packed_buffer_size_bytes=bucket_bytes, rank=rank)
     else:
         raise ValueError(f"create_trainer_transfer handles 'nccl', 'cuda_ipc' and 'gloo', got {method!r}.")
     return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown version"))
+
+
+class _StaticCallIpcTransfer:
+    """CUDA IPC on vLLM releases whose IPC engine has no trainer-side engine object and sends through the static
+    ``IPCWeightTransferEngine.trainer_send_weights`` (vLLM 0.26, the GPU machines' build): the same rounds as later
+    releases' ``IPCTrainerWeightTransferEngine`` (rank 0 drives start / update / finish on the samplers; every rank
+    iterates the parameters). The tensors shared by handle are kept until the samplers finished loading, as the
+    later engine does: the sampler may read them until then."""
+
+    def __init__(self, client: VLLMWeightSyncClient, source: Any, *, rank: int, packed: bool, bucket_bytes: int):
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs
+
+        self._client = client
+        self._source = source
+        self._is_sender = rank == 0
+        self._arguments = IPCTrainerSendWeightsArgs(
+            send_mode=self._update, packed=packed, packed_buffer_size_bytes=bucket_bytes
+        )
+        if self._is_sender:
+            # This release's IPC receiver takes no initialisation fields (packing is said with each update).
+            client.init_weight_transfer_engine({})
+
+    def _update(self, update_info: Any) -> None:
+        from dataclasses import asdict
+
+        self._client.update_weights(asdict(update_info))
+
+    def send_weights(self) -> None:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+        shared: list[torch.Tensor] = []
+
+        def kept(parameters: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in parameters:
+                tensor = tensor.detach().contiguous()
+                shared.append(tensor)
+                yield name, tensor
+
+        if self._is_sender:
+            self._client.start_weight_update()
+        IPCWeightTransferEngine.trainer_send_weights(kept(self._source), self._arguments)
+        if self._is_sender:
+            self._client.finish_weight_update()
+        shared.clear()
+
+    def shutdown(self) -> None:
+        """Nothing to release: the IPC path holds no group."""
