@@ -146,6 +146,20 @@ def test_start_up_warms_up_the_sampler_without_a_trace(engine: Any, reference: A
     assert _max_difference(sample["logprobs"], expected) <= LOGPROB_TOLERANCE
 
 
+def test_generate_without_detokenizing_samples_the_same_tokens_and_logprobs(engine: Any) -> None:
+    # The main job asks for no text (its reward reads token ids): the samples must be the ones a detokenizing request
+    # draws, with the same log-probs, and only the text left empty.
+    prompts = [_random_prompt(9, 3), _random_prompt(6, 4)]
+    request = {"n": 4, "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    with_text = engine.generate(prompts, request)
+    without_text = engine.generate(prompts, {**request, "detokenize": False})
+    for decoded, bare in zip(with_text, without_text, strict=True):
+        for sample, other in zip(decoded, bare, strict=True):
+            assert other["token_ids"] == sample["token_ids"] and other["logprobs"] == sample["logprobs"]
+            assert other["finish_reason"] == sample["finish_reason"] and other["text"] == ""
+    assert any(sample["text"] for group in with_text for sample in group)
+
+
 def test_generate_logprobs_are_the_sampling_distributions(engine: Any, reference: Any) -> None:
     prompts = [_random_prompt(11, 1), _random_prompt(5, 2)]
     temperature = 0.7
