@@ -7,6 +7,7 @@ anywhere."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -175,7 +176,9 @@ def create_trainer_transfer(
         )
     elif method == "cuda_ipc":
         if not hasattr(ipc_engine, "IPCTrainerInitInfo"):
-            return _StaticCallIpcTransfer(client, source, rank=rank, packed=low_memory, bucket_bytes=bucket_bytes)
+            return _StaticCallIpcTransfer(
+                ipc_engine, client, source, rank=rank, packed=low_memory, bucket_bytes=bucket_bytes
+            )
         init_info = ipc_engine.IPCTrainerInitInfo(packed=low_memory, packed_buffer_size_bytes=bucket_bytes, rank=rank)
     else:
         raise ValueError(f"create_trainer_transfer handles 'nccl', 'cuda_ipc' and 'gloo', got {method!r}.")
@@ -195,13 +198,14 @@ class _StaticCallIpcTransfer:
     iterates the parameters). The tensors shared by handle are kept until the samplers finished loading, as the
     later engine does: the sampler may read them until then."""
 
-    def __init__(self, client: VLLMWeightSyncClient, source: Any, *, rank: int, packed: bool, bucket_bytes: int):
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs
-
+    def __init__(
+        self, ipc_engine: Any, client: VLLMWeightSyncClient, source: Any, *, rank: int, packed: bool, bucket_bytes: int
+    ):
+        self._engine = ipc_engine.IPCWeightTransferEngine
         self._client = client
         self._source = source
         self._is_sender = rank == 0
-        self._arguments = IPCTrainerSendWeightsArgs(
+        self._arguments = ipc_engine.IPCTrainerSendWeightsArgs(
             send_mode=self._update, packed=packed, packed_buffer_size_bytes=bucket_bytes
         )
         if self._is_sender:
@@ -209,13 +213,9 @@ class _StaticCallIpcTransfer:
             client.init_weight_transfer_engine({})
 
     def _update(self, update_info: Any) -> None:
-        from dataclasses import asdict
-
         self._client.update_weights(asdict(update_info))
 
     def send_weights(self) -> None:
-        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-
         shared: list[torch.Tensor] = []
 
         def kept(parameters: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -226,7 +226,7 @@ class _StaticCallIpcTransfer:
 
         if self._is_sender:
             self._client.start_weight_update()
-        IPCWeightTransferEngine.trainer_send_weights(kept(self._source), self._arguments)
+        self._engine.trainer_send_weights(kept(self._source), self._arguments)
         if self._is_sender:
             self._client.finish_weight_update()
         shared.clear()
