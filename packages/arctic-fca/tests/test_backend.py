@@ -305,10 +305,10 @@ def test_triton_impl_runs_triton_attention_without_a_plan_or_on_a_row_it_cannot_
 
 def test_planner_leaves_reference_sliding_window_models_to_the_standard_backend() -> None:
     batch = make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3)
-    planner = _planner(batch, num_heads=8)
-    assert planner.plan(_common_metadata(batch)) is not None
-    planner.vllm_config = SimpleNamespace(model_config=SimpleNamespace(rswa_window=64))  # type: ignore[assignment]
-    assert planner.plan(_common_metadata(batch)) is None
+    assert _planner(batch, num_heads=8).plan(_common_metadata(batch)) is not None
+    windowed = _planner(batch, num_heads=8)
+    windowed.vllm_config = SimpleNamespace(model_config=SimpleNamespace(rswa_window=64))  # type: ignore[assignment]
+    assert windowed.plan(_common_metadata(batch)) is None
 
 
 def test_float32_models_select_fca_by_triton_attention_and_custom_says_so() -> None:

@@ -644,3 +644,87 @@ def test_static_plans_sharing_a_scratch_replay_their_graphs_in_turn_exactly() ->
         assert torch.equal(replayed[1][:requests], lse[:requests]), requests
         assert replayed[0][requests:].isnan().all(), requests
         _check(replayed[0][:requests], replayed[1][:requests], batch, 0.1)
+
+
+def test_static_plan_update_captured_with_the_decode_plans_each_replay_from_the_input_buffers() -> None:
+    """vLLM's full graphs capture the plan's update with the layers: one graph holding ``update`` (reading persistent
+    input buffers) and a decode replays exactly for each new step written into those buffers, and its grouping
+    follows the gate set after capture."""
+    rng = random.Random(11)
+    padded, width = 16, 64
+    batches = []
+    for seed in range(4):
+        requests = rng.randint(9, padded)
+        batch = make_decode_batch(
+            [rng.randint(40, 500) for _ in range(2)],
+            [[rng.randint(0, 150) for _ in range(size)] for size in (requests // 2, requests - requests // 2)],
+            queries_per_kv=4,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            device="cuda",
+            shuffle=True,
+            spare_blocks=40,
+            seed=seed,
+        )
+        batches.append((batch, requests))
+    num_cache_blocks = max(batch.key_cache.shape[0] for batch, _ in batches)
+    # Every step's cache: one cache of the largest size, each step's blocks written into it.
+    key_cache = torch.zeros(num_cache_blocks, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+    value_cache = torch.zeros_like(key_cache)
+    table = torch.zeros(padded, width, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(padded, dtype=torch.int32, device="cuda")
+    starts = torch.zeros(padded + 1, dtype=torch.int32, device="cuda")
+    query = torch.zeros(padded, 8, 128, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(query)
+    lse = torch.empty(padded, 8, device="cuda")
+    gate = torch.ones(1, dtype=torch.int32, device="cuda")
+    static = StaticForestPlan(
+        padded,
+        width,
+        block_size=16,
+        num_cache_blocks=num_cache_blocks,
+        max_query_len=1,
+        queries_per_kv=4,
+        num_kv_heads=2,
+        device="cuda",
+        workspace=ForestWorkspace(num_cache_blocks, "cuda"),
+        grouping_gate=gate,
+    )
+
+    def load(batch: DecodeBatch, requests: int) -> None:
+        blocks = batch.key_cache.shape[0]
+        key_cache[:blocks].copy_(batch.key_cache)
+        value_cache[:blocks].copy_(batch.value_cache)
+        table.zero_()
+        table[:requests, : batch.block_table.shape[1]].copy_(batch.block_table)
+        seq_lens.zero_()
+        seq_lens[:requests].copy_(batch.seq_lens)
+        starts.fill_(requests)
+        starts[: requests + 1].copy_(batch.query_start_loc)
+        query.zero_()
+        query[:requests].copy_(batch.query)
+
+    def step() -> None:
+        static.update(table, seq_lens, starts, grouping=ForestGrouping())
+        forest_decode(query, key_cache, value_cache, static.plan, 0.1, out=out, lse=lse)
+
+    load(*batches[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for open_gate in (1, 0, 1):
+        gate.fill_(open_gate)
+        for batch, requests in batches[1:] + batches[:1]:
+            load(batch, requests)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            groups = int(static.plan.num_groups)
+            assert (groups > 0) == bool(open_gate), (groups, open_gate)
+            assert static.plan.seq_lens[:requests].equal(batch.seq_lens)
+            _check(out[:requests], lse[:requests], batch, 0.1)

@@ -171,6 +171,55 @@ def test_step_without_grouping_runs_the_same_plan_per_request(backend: Backend) 
     assert torch.equal(out, _decode(batch, ungrouped, backend))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_grouping_gate_switches_grouping_off_and_on_with_the_same_launches(backend: Backend) -> None:
+    batch = _batch(8, [70, 45], [[5, 9, 0], [12, 1, 7]])
+    gate = torch.ones(1, dtype=torch.int32)
+    static = StaticForestPlan(
+        batch.block_table.shape[0],
+        WIDTH,
+        block_size=16,
+        num_cache_blocks=200,
+        max_query_len=1,
+        queries_per_kv=2,
+        num_kv_heads=2,
+        device="cpu",
+        config=SMALL,
+        grouping_gate=gate,
+    )
+    assert static.grouping_gate is gate
+    ungrouped = _fresh(batch, backend, ForestGrouping(min_group_size=2**31 - 1))
+    for open_gate, groups in ((0, 0), (1, 2), (0, 0)):
+        gate.fill_(open_gate)
+        plan = static.update(
+            batch.block_table, batch.seq_lens, batch.query_start_loc, grouping=ForestGrouping(), backend=backend
+        )
+        assert int(plan.num_groups) == groups and int(plan.saved_block_reads > 0) == open_gate
+        out = _decode(batch, plan, backend)
+        assert _relative_error(out, _reference(batch)) < 1e-5
+        if not open_gate:
+            # Gated off, the step is per-request decode: the same plan and output as planning with no groups.
+            for name in PLAN_FIELDS:
+                assert torch.equal(getattr(plan, name), getattr(ungrouped, name)), name
+            assert torch.equal(out, _decode(batch, ungrouped, backend))
+
+
+def test_static_plan_rejects_a_gate_of_the_wrong_kind() -> None:
+    for gate in (torch.ones(1), torch.ones(2, dtype=torch.int32), torch.ones((), dtype=torch.int32)):
+        with pytest.raises(PlanError, match="grouping_gate must be an int32 tensor of shape"):
+            StaticForestPlan(
+                4,
+                WIDTH,
+                block_size=16,
+                num_cache_blocks=200,
+                max_query_len=1,
+                queries_per_kv=2,
+                num_kv_heads=2,
+                device="cpu",
+                grouping_gate=gate,
+            )
+
+
 def test_static_plan_rejects_a_batch_it_cannot_hold() -> None:
     batch = _batch(9, [70], [[5, 9, 0]])
     with pytest.raises(PlanError, match="static plan holds up to 2 requests"):

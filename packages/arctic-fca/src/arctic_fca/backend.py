@@ -16,11 +16,13 @@ naming ``TRITON_ATTN``) and ``TRITON_ATTN`` (every dtype Triton attention runs, 
 Full CUDA graphs: the builders support vLLM's full graphs of uniform decode batches (query length 1, or up to
 ``ARCTIC_FCA_MAX_QUERY_LEN`` with speculative decoding), never more than the standard builder's own support. Each
 batch size vLLM captures gets a ``StaticForestPlan`` at the warm-up runs before its capture (or at the capture,
-``build_for_cudagraph_capture``); from then on every step of that (padded) size is planned, outside the graph, into
-that plan's persistent buffers, and the captured ``forest_decode`` launches read them; the static plans share one
-scratch for their partial results. Whether a step of a captured size uses FCA depends only on what is fixed for its
-graph (batch size, query length, the layers), never on ``is_active()``: a paused FCA plans such steps with no groups
-(FCA's per-request decode, the same attention) instead of switching backends under a graph that cannot switch.
+``build_for_cudagraph_capture``); from then on every step of that (padded) size is planned into that plan's
+persistent buffers by the step's first FCA layer (``fca_update`` in the metadata), from vLLM's persistent block
+table, lengths and query offsets, so the captured graph replays the planning with the layers and the host does no FCA
+work for a replayed step; the static plans share one scratch for their partial results. Whether a step of a captured
+size uses FCA depends only on what is fixed for its graph (batch size, query length, the layers), never on
+``is_active()``: a paused FCA plans such steps with no groups (FCA's per-request decode, the same attention; the
+captured planning reads a device flag) instead of switching backends under a graph that cannot switch.
 vLLM's warm-up runs before each capture compile every kernel variant the captured sizes use, so decoding compiles
 nothing.
 """
@@ -45,6 +47,7 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from arctic_dedup.forest import ForestPlan
 from arctic_fca.forest_step import ForestAttentionImpl, ForestMetadataBuilder
+from arctic_fca.planner import PlanUpdate
 
 __all__ = [
     "FcaFlashAttentionBackend",
@@ -71,6 +74,7 @@ def _dtype_name(dtype: Any) -> str:
 @dataclass
 class FcaFlashMetadata(FlashAttentionMetadata):
     fca: ForestPlan | None = None
+    fca_update: PlanUpdate | None = None
 
 
 class FcaFlashMetadataBuilder(ForestMetadataBuilder, FlashAttentionMetadataBuilder):
@@ -116,6 +120,7 @@ class FcaFlashAttentionBackend(FlashAttentionBackend):
 @dataclass
 class FcaTritonMetadata(TritonAttentionMetadata):
     fca: ForestPlan | None = None
+    fca_update: PlanUpdate | None = None
 
 
 class FcaTritonMetadataBuilder(ForestMetadataBuilder, TritonAttentionMetadataBuilder):

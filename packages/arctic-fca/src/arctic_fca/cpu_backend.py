@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from arctic_dedup.forest import ForestPlan
 from arctic_fca.forest_step import ForestAttentionImpl, ForestMetadataBuilder, replace_plan
+from arctic_fca.planner import PlanUpdate
 from arctic_fca.stats import LOGGER_NAME
 
 __all__ = ["FcaCpuAttentionBackend", "FcaCpuAttentionImpl", "FcaCpuMetadata", "FcaCpuMetadataBuilder"]
@@ -37,6 +38,7 @@ class FcaCpuMetadata(CPUAttentionMetadata):
     step reads, in compacted order (``fca_blocks``)."""
 
     fca: ForestPlan | None = None
+    fca_update: PlanUpdate | None = None
     fca_blocks: torch.Tensor | None = None
 
 

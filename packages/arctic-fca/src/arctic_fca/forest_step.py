@@ -20,7 +20,7 @@ from vllm.v1.attention.backend import (
 
 from arctic_dedup.forest import ForestPlan, forest_decode
 from arctic_fca.config import FcaConfig
-from arctic_fca.planner import ForestPlanner
+from arctic_fca.planner import ForestPlanner, PlanUpdate
 
 __all__ = [
     "ForestAttentionImpl",
@@ -34,9 +34,19 @@ __all__ = [
 Metadata = TypeVar("Metadata")
 
 
-def with_plan(metadata_class: Callable[..., Metadata], base: Any, plan: ForestPlan | None) -> Metadata:
-    """``base`` (a standard backend's metadata dataclass) as ``metadata_class``, its subclass with an ``fca`` field."""
-    return metadata_class(**{field.name: getattr(base, field.name) for field in fields(base)}, fca=plan)
+def with_plan(
+    metadata_class: Callable[..., Metadata], base: Any, plan: ForestPlan | None, update: PlanUpdate | None = None
+) -> Metadata:
+    """``base`` (a standard backend's metadata dataclass) as ``metadata_class``, its subclass with ``fca`` (the step's
+    plan) and ``fca_update`` (the plan's update, run by the first layer) fields. Built every step: copies ``base``'s
+    attributes, not its fields one by one through the constructor."""
+    if not hasattr(base, "__dict__"):
+        return metadata_class(**{field.name: getattr(base, field.name) for field in fields(base)}, fca=plan)
+    metadata = object.__new__(metadata_class)  # type: ignore[call-overload]
+    metadata.__dict__.update(base.__dict__)
+    metadata.fca = plan
+    metadata.fca_update = update
+    return metadata  # type: ignore[no-any-return]
 
 
 def replace_plan(metadata: Metadata, plan: ForestPlan) -> Metadata:
@@ -117,8 +127,8 @@ class ForestMetadataBuilder(AttentionMetadataBuilder):
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> Any:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        plan = self.forest_planner.plan(common_attn_metadata, capturing=self._capturing)
-        return with_plan(self.fca_metadata_class, base, plan)
+        plan, update = self.forest_planner.plan_step(common_attn_metadata, capturing=self._capturing)
+        return with_plan(self.fca_metadata_class, base, plan, update)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> Any:
         """The metadata of a batch vLLM captures in a full CUDA graph: its plan is the static plan of its size."""
@@ -130,8 +140,8 @@ class ForestMetadataBuilder(AttentionMetadataBuilder):
         if isinstance(metadata, self.fca_metadata_class):
             return metadata
         # A standard builder that builds capture metadata without calling build(): plan here instead.
-        plan = self.forest_planner.plan(common_attn_metadata, capturing=True)
-        return with_plan(self.fca_metadata_class, metadata, plan)
+        plan, update = self.forest_planner.plan_step(common_attn_metadata, capturing=True)
+        return with_plan(self.fca_metadata_class, metadata, plan, update)
 
 
 class ForestAttentionImpl(AttentionImpl):
@@ -161,6 +171,10 @@ class ForestAttentionImpl(AttentionImpl):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if getattr(attn_metadata, "fca", None) is not None and output_scale is None and output_block_scale is None:
+            # The step's first FCA layer fills a static plan for the step (inside a captured graph: at each replay).
+            update = getattr(attn_metadata, "fca_update", None)
+            if update is not None:
+                update()
             inputs = self.forest_inputs(layer, kv_cache, attn_metadata)
             if inputs is not None and run_forest(self, query, *inputs, output):
                 return output

@@ -5,13 +5,15 @@ On CUDA the plan is built once per step (three small launches over the block tab
 planner, never waiting for the device); a step where grouping finds nothing runs each request as one work item of the
 same attention kernel, i.e. arctic's per-request paged decode. On CPU the plan is read on the host (free there) and
 such a step goes to the standard backend. Each batch size vLLM captures in a full CUDA graph gets a
-``StaticForestPlan`` (see ``arctic_fca.backend``).
+``StaticForestPlan`` (see ``arctic_fca.backend``), updated inside the step's forward (``PlanUpdate``): vLLM's graph
+captures the update with the layers, so a replayed step plans on the device and FCA adds no host work to it.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy
@@ -22,9 +24,9 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 from arctic_dedup.forest import ForestPlan, ForestScratch, ForestWorkspace, StaticForestPlan, plan_forest
 from arctic_fca.config import FcaConfig, is_active
-from arctic_fca.stats import LOGGER_NAME, record_standard_step, record_step
+from arctic_fca.stats import LOGGER_NAME, record_standard_step, record_step, record_steps
 
-__all__ = ["ForestPlanner", "flush_planner_stats"]
+__all__ = ["ForestPlanner", "PlanUpdate", "flush_planner_stats"]
 
 logger = logging.getLogger(LOGGER_NAME)
 # Every live planner of this process, so that a stats read can first record the steps a GPU planner still holds.
@@ -53,6 +55,21 @@ def _impl_supported(impl: Any) -> bool:
     )
 
 
+class PlanUpdate:
+    """One step's update of a static plan, run by the first FCA layer of the step's forward (later layers find it
+    done), so that a CUDA graph capturing the forward captures the update too."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self._run: Callable[[], None] | None = run
+
+    def __call__(self) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run()
+
+
 class ForestPlanner:
     """Builds one step's ``ForestPlan`` for one KV-cache group and records the step's stats."""
 
@@ -75,7 +92,19 @@ class ForestPlanner:
         # Their decode calls run in stream order, so they share one scratch for their partial results.
         self.static_plans: dict[tuple[int, int], StaticForestPlan] = {}
         self._scratch = ForestScratch()
-        self._pending: list[tuple[int, torch.Tensor]] = []
+        # Read by the static plans' (captured) grouping launches: 0 while FCA is paused.
+        self._grouping_gate: torch.Tensor | None = None
+        self._gate_open = True
+        # The CUDA plans' counters, summed on the device (inside captured graphs too): steps with a group, groups,
+        # grouped requests, saved block reads; the host counts the steps and their requests and reads the sums every
+        # log_interval steps (a read waits for the device).
+        self._totals: torch.Tensor | None = None
+        self._totals_read: tuple[int, ...] = (0, 0, 0, 0)
+        self._unread_steps = 0
+        self._unread_requests = 0
+        # After a capture (whose update, when it runs at all, is no step of the user's) the sums are read afresh.
+        self._rebase_totals = False
+        self._facts: tuple[bool, int, int] | None = None
         self._steps_since_log = 0
         _planners.add(self)
 
@@ -85,7 +114,13 @@ class ForestPlanner:
         return self._layers
 
     def _layer_facts(self) -> tuple[bool, int, int] | None:
-        """(every layer supported, query heads, cache blocks) once the layers and their KV cache exist."""
+        """(every layer supported, query heads, cache blocks) once the layers and their KV cache exist; fixed from
+        then on, so read once."""
+        if self._facts is None:
+            self._facts = self._read_layer_facts()
+        return self._facts
+
+    def _read_layer_facts(self) -> tuple[bool, int, int] | None:
         layers = self._attention_layers()
         if not layers:
             return None
@@ -118,8 +153,19 @@ class ForestPlanner:
         return workspace
 
     def plan(self, metadata: CommonAttentionMetadata, capturing: bool = False) -> ForestPlan | None:
-        """This step's plan, or ``None`` for standard attention; ``capturing``: vLLM captures a full CUDA graph of
-        this batch (it gets a static plan, used by every later step of its size)."""
+        """This step's plan, updated now, or ``None`` for standard attention (``plan_step`` with its update run)."""
+        plan, update = self.plan_step(metadata, capturing)
+        if update is not None:
+            update()
+        return plan
+
+    def plan_step(
+        self, metadata: CommonAttentionMetadata, capturing: bool = False
+    ) -> tuple[ForestPlan | None, PlanUpdate | None]:
+        """This step's plan (``None``: standard attention) and, for a static plan, the update that fills it for this
+        step, to run on the device before the plan's first decode (the first FCA layer of the step's forward runs
+        it). ``capturing``: vLLM captures a full CUDA graph of this batch (it gets a static plan, used by every later
+        step of its size)."""
         num_requests = metadata.num_reqs
         facts = self._layer_facts()
         # Everything here is fixed for a captured graph's batches: the choice a graph captured stays right for it.
@@ -132,9 +178,9 @@ class ForestPlanner:
         )
         if not fits or facts is None:
             record_standard_step()
-            return None
+            return None, None
         _, num_heads, num_cache_blocks = facts
-        table = metadata.block_table_tensor[:num_requests]
+        table = metadata.block_table_tensor
         max_query_len = max(1, metadata.max_query_len)
         if not self.on_cpu:
             key = (num_requests, max_query_len)
@@ -153,14 +199,17 @@ class ForestPlanner:
                     device=table.device,
                     workspace=self._workspace_for(num_cache_blocks, table.device),
                     scratch=self._scratch,
+                    grouping_gate=self._gate(table.device),
                 )
+                # Made here, outside any capture: a graph that captured their creation would zero them at replay.
+                self._totals_on(table.device)
             if static is not None:
-                return self._plan_static(static, metadata, record=not capturing)
+                return static.plan, self._static_update(static, metadata, record=not capturing)
         if not is_active():
             record_standard_step()
-            return None
+            return None, None
         plan = plan_forest(
-            table,
+            table[:num_requests],
             metadata.seq_lens[:num_requests],
             metadata.query_start_loc[: num_requests + 1],
             block_size=self.block_size,
@@ -184,40 +233,76 @@ class ForestPlanner:
                 int(plan.saved_block_reads.item()) * self.bytes_per_block,
                 log=log,
             )
-            return plan if groups > 0 else None
-        self._defer_stats(num_requests, plan.stats)
-        return plan
+            return (plan if groups > 0 else None), None
+        self._add_to_totals(plan.stats)
+        self._count_step(num_requests)
+        return plan, None
 
-    def _plan_static(self, static: StaticForestPlan, metadata: CommonAttentionMetadata, record: bool) -> ForestPlan:
-        num_requests = static.num_requests
+    def _gate(self, device: torch.device) -> torch.Tensor:
+        if self._grouping_gate is None:
+            self._grouping_gate = torch.ones(1, dtype=torch.int32, device=device)
+        return self._grouping_gate
+
+    def _static_update(self, static: StaticForestPlan, metadata: CommonAttentionMetadata, record: bool) -> PlanUpdate:
         active = is_active()
-        plan = static.update(
-            metadata.block_table_tensor[:num_requests],
-            metadata.seq_lens[:num_requests],
-            metadata.query_start_loc[: num_requests + 1],
-            grouping=self.grouping if active else None,
-        )
-        # A capture's dummy batch is no step of the user's.
-        if not record:
-            return plan
-        if not active:
-            record_standard_step()
-            return plan
-        # vLLM pads a graph's batch with requests that have no query tokens; the stats count the real ones.
-        starts = metadata.query_start_loc_cpu[: num_requests + 1].numpy()
-        real_requests = int(numpy.count_nonzero(starts[1:] > starts[:-1]))
-        # The static plan's counters are overwritten next step: keep a copy until they are read.
-        self._defer_stats(real_requests, plan.stats.clone())
-        return plan
+        if active != self._gate_open:
+            # In stream order before this step's update (replayed or not): grouping follows FCA's pause.
+            static.grouping_gate.fill_(int(active))
+            self._gate_open = active
+        num_requests = static.num_requests
 
-    def _defer_stats(self, num_requests: int, stats: torch.Tensor) -> None:
-        # Reading the counters waits for the device: collect them and read a batch every log_interval steps.
-        self._pending.append((num_requests, stats))
-        if len(self._pending) >= self.config.log_interval:
+        def update() -> None:
+            # vLLM's block table, lengths and query offsets are its persistent buffers: a graph that captures this
+            # reads each later step's values.
+            static.update(
+                metadata.block_table_tensor[:num_requests],
+                metadata.seq_lens[:num_requests],
+                metadata.query_start_loc[: num_requests + 1],
+                grouping=self.grouping,
+            )
+            self._add_to_totals(static.plan.stats)
+
+        # A capture's dummy batch is no step of the user's: record what came before it, and read the sums afresh
+        # before the next step (both wait for the device; captures happen at start-up).
+        if not record:
+            self.flush_stats()
+            self._rebase_totals = True
+        else:
+            if self._rebase_totals and self._totals is not None:
+                self._totals_read = tuple(int(value) for value in self._totals.tolist())
+                self._rebase_totals = False
+            if active:
+                # vLLM pads a graph's batch with requests that have no query tokens; the stats count the real ones.
+                starts = metadata.query_start_loc_cpu[: num_requests + 1].numpy()
+                self._count_step(int(numpy.count_nonzero(starts[1:] > starts[:-1])))
+            else:
+                record_standard_step()
+        return PlanUpdate(update)
+
+    def _totals_on(self, device: torch.device) -> torch.Tensor:
+        if self._totals is None:
+            self._totals = torch.zeros(4, dtype=torch.int64, device=device)
+        return self._totals
+
+    def _add_to_totals(self, stats: torch.Tensor) -> None:
+        """Add one plan's counters (groups, grouped requests, saved block reads) to the device sums; no host read."""
+        totals = self._totals_on(stats.device)
+        totals[:1].add_(stats[:1] > 0)
+        totals[1:].add_(stats)
+
+    def _count_step(self, num_requests: int) -> None:
+        self._unread_steps += 1
+        self._unread_requests += num_requests
+        if self._unread_steps >= self.config.log_interval:
             self.flush_stats()
 
     def flush_stats(self) -> None:
-        pending, self._pending = self._pending, []
-        for index, (requests, stats) in enumerate(pending):
-            groups, grouped, saved = stats.tolist()
-            record_step(requests, groups, grouped, saved * self.bytes_per_block, log=index == len(pending) - 1)
+        """Record the steps counted since the last read with the device sums of their counters (waits for them)."""
+        steps, requests = self._unread_steps, self._unread_requests
+        if steps == 0 or self._totals is None:
+            return
+        self._unread_steps = self._unread_requests = 0
+        totals = tuple(int(value) for value in self._totals.tolist())
+        steps_grouped, groups, grouped, saved = (now - before for now, before in zip(totals, self._totals_read))
+        self._totals_read = totals
+        record_steps(steps, steps_grouped, requests, groups, grouped, saved * self.bytes_per_block, log=True)

@@ -12,7 +12,15 @@ import logging
 import threading
 from dataclasses import dataclass
 
-__all__ = ["LOGGER_NAME", "FcaStats", "get_stats", "record_standard_step", "record_step", "reset_stats"]
+__all__ = [
+    "LOGGER_NAME",
+    "FcaStats",
+    "get_stats",
+    "record_standard_step",
+    "record_step",
+    "record_steps",
+    "reset_stats",
+]
 
 # A child of vLLM's logger: vLLM configures a handler on "vllm" in every process it starts, so no set-up is needed.
 LOGGER_NAME = "vllm.arctic_fca"
@@ -59,14 +67,8 @@ def record_standard_step() -> None:
 
 
 def record_step(requests: int, groups: int, grouped_requests: int, saved_bytes_per_layer: int, *, log: bool) -> None:
-    """Add one grouped-decode step (or several, when the device counters are read in batches) and log it."""
-    with _lock:
-        _stats.steps += 1
-        _stats.steps_grouped += int(groups > 0)
-        _stats.requests += requests
-        _stats.groups += groups
-        _stats.grouped_requests += grouped_requests
-        _stats.saved_bytes_per_layer += saved_bytes_per_layer
+    """Add one grouped-decode step and log it (``arctic-fca step: ...``)."""
+    _add(1, int(groups > 0), requests, groups, grouped_requests, saved_bytes_per_layer)
     if log:
         share = grouped_requests / requests if requests else 0.0
         logger.info(
@@ -77,3 +79,42 @@ def record_step(requests: int, groups: int, grouped_requests: int, saved_bytes_p
             100.0 * share,
             saved_bytes_per_layer / 1e6,
         )
+
+
+def record_steps(
+    steps: int,
+    steps_grouped: int,
+    requests: int,
+    groups: int,
+    grouped_requests: int,
+    saved_bytes_per_layer: int,
+    *,
+    log: bool,
+) -> None:
+    """Add the totals of several grouped-decode steps (a GPU planner's counters, read in batches) and log them
+    (``arctic-fca, N steps: ...``)."""
+    _add(steps, steps_grouped, requests, groups, grouped_requests, saved_bytes_per_layer)
+    if log and steps:
+        share = grouped_requests / requests if requests else 0.0
+        logger.info(
+            "arctic-fca, %d steps: %.1f groups a step, %d/%d requests grouped (%.0f%%), %.2f MB of KV reads saved per "
+            "layer a step",
+            steps,
+            groups / steps,
+            grouped_requests,
+            requests,
+            100.0 * share,
+            saved_bytes_per_layer / steps / 1e6,
+        )
+
+
+def _add(
+    steps: int, steps_grouped: int, requests: int, groups: int, grouped_requests: int, saved_bytes_per_layer: int
+) -> None:
+    with _lock:
+        _stats.steps += steps
+        _stats.steps_grouped += steps_grouped
+        _stats.requests += requests
+        _stats.groups += groups
+        _stats.grouped_requests += grouped_requests
+        _stats.saved_bytes_per_layer += saved_bytes_per_layer

@@ -132,12 +132,18 @@ def plan_cut_kernel(
     num_requests,
     min_group_size,
     min_prefix_blocks,
+    grouping_gate_ptr,
     BLOCK_E: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _follow_previous_launch(PDL)
     request = tl.program_id(0)
     eligible = _eligible_blocks(seq_lens_ptr, query_start_ptr, request, block_size, max_blocks)
+    if HAS_GATE:
+        # A gate of 0 cuts no request: the step runs with no groups (the same launches, so a captured graph replays
+        # either way).
+        eligible = tl.where(tl.load(grouping_gate_ptr) != 0, eligible, 0)
     row = block_table_ptr + request.to(tl.int64) * stride_table_row
     best = tl.zeros([], dtype=tl.int64)
     best_depth = tl.zeros([], dtype=tl.int32)

@@ -124,8 +124,12 @@ def launch_plan(
     grouping: ForestGrouping | None,
     workspace: ForestWorkspace | None,
     config: ForestKernelConfig,
+    grouping_gate: torch.Tensor | None = None,
 ) -> None:
-    """Fill a plan's buffers on the device: three launches with grouping, one without; no host reads."""
+    """Fill a plan's buffers on the device: three launches with grouping, one without; no host reads.
+
+    ``grouping_gate`` (int32 ``[1]`` on the device, optional): where it holds 0 the grouping launches find no groups.
+    """
     from arctic_dedup.forest._kernels import (
         plan_count_kernel,
         plan_cut_kernel,
@@ -193,7 +197,9 @@ def launch_plan(
         num_requests,
         grouping.min_group_size,
         grouping.min_additional_prefix_blocks,
+        grouping_gate,
         BLOCK_E=block_entries,
+        HAS_GATE=grouping_gate is not None,
         **pdl,
     )
     plan_group_kernel[grid](

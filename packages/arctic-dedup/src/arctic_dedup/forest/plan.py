@@ -307,8 +307,10 @@ def _fill(
     config: ForestKernelConfig,
     workspace: ForestWorkspace | None,
     backend: Backend,
+    grouping_gate: torch.Tensor | None = None,
 ) -> None:
-    """Write one step's plan into ``views`` (int32 ``seq`` and ``starts``); never reads the device on the host."""
+    """Write one step's plan into ``views`` (int32 ``seq`` and ``starts``); never reads the device on the host.
+    Where ``grouping_gate`` (int32 ``[1]``) holds 0, grouping finds no groups."""
     device = block_table.device
     num_requests = block_table.shape[0]
     if resolve_backend(backend, block_table) == "triton":
@@ -320,7 +322,7 @@ def _fill(
                     f"the workspace was made for {workspace.num_cache_blocks} cache blocks on {workspace.device}, "
                     f"but this plan has {num_cache_blocks} blocks on {device}; make a ForestWorkspace for this cache."
                 )
-        launch_plan(block_table, seq, starts, views, sizes, block_size, grouping, workspace, config)
+        launch_plan(block_table, seq, starts, views, sizes, block_size, grouping, workspace, config, grouping_gate)
         return
     requests = torch.arange(num_requests, device=device)
     if grouping is not None:
@@ -329,6 +331,8 @@ def _fill(
         query_lens = (starts[1:] - starts[:-1]).to(torch.int64)
         max_blocks = block_table.shape[1]
         eligible = torch.div((seq64 - query_lens).clamp_min(0), block_size, rounding_mode="floor")
+        if grouping_gate is not None:
+            eligible = torch.where(grouping_gate.to(device) != 0, eligible, 0)
         leader, prefix, grouped = _find_groups(block_table, eligible.clamp_max(max_blocks), num_cache_blocks, grouping)
     else:
         leader = requests.clone()

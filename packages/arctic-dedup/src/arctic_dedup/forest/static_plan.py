@@ -9,6 +9,10 @@ beyond the step's requests are padding: zero length, no query tokens, so they ow
 and the decode programs beyond the step's real work items exit at once. A step that is not grouped runs the same
 kernels with no groups (every request reads its own context), so a graph captured on a grouped step replays any
 step of its size exactly.
+
+``update`` can itself be captured in the graph (it never reads the device on the host, and its inputs can be the
+caller's own persistent buffers): a replay then plans the step on the device with no host work. Its grouping can
+still be switched off after capture through ``grouping_gate``, a device flag the captured launches read.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class StaticForestPlan:
         workspace: the group finder's scratch; plans that share one must be updated in stream order.
         scratch: where the decode calls take their partial buffers; static plans whose decode calls run in stream
             order (one model's captured batch sizes) share one, so they hold one buffer between them.
+        grouping_gate: int32 ``[1]`` on ``device``: while it holds 0, ``update`` finds no groups (the same launches,
+            so it also switches grouping off in graphs that captured ``update``); plans may share one. A new gate
+            holding 1 when ``None``.
     """
 
     def __init__(
@@ -68,8 +75,17 @@ class StaticForestPlan:
         config: ForestKernelConfig | None = None,
         workspace: ForestWorkspace | None = None,
         scratch: ForestScratch | None = None,
+        grouping_gate: torch.Tensor | None = None,
     ) -> None:
         device = torch.device(device)
+        if grouping_gate is None:
+            grouping_gate = torch.ones(1, dtype=torch.int32, device=device)
+        elif grouping_gate.shape != (1,) or grouping_gate.dtype != torch.int32 or grouping_gate.device != device:
+            raise PlanError(
+                f"grouping_gate must be an int32 tensor of shape [1] on {device}, got {grouping_gate.dtype} of shape "
+                f"{tuple(grouping_gate.shape)} on {grouping_gate.device}."
+            )
+        self.grouping_gate = grouping_gate
         if num_requests < 1 or max_blocks < 1 or num_cache_blocks < 1:
             raise PlanError(
                 f"num_requests, max_blocks and num_cache_blocks must be >= 1, got {num_requests}, {max_blocks} and "
@@ -169,5 +185,6 @@ class StaticForestPlan:
             config=plan.config,
             workspace=self.workspace,
             backend=backend,
+            grouping_gate=self.grouping_gate,
         )
         return plan
