@@ -298,6 +298,23 @@ def test_a_killed_engine_is_named_and_shutdown_leaves_nothing(local_ray: None) -
 
 
 @pytest.mark.slow
+def test_a_trainer_killed_before_a_sync_is_the_engine_named_not_the_samplers_waiting_on_it(local_ray: None) -> None:
+    # The samplers' updates take rank 0's parameters by reference: they fail with its gather, and the error is its.
+    client = start(make_config(training_gpus=1))
+    pids = [engine["pid"] for engine in client.describe()["engines"].values()]
+    try:
+        client.sync_weights()
+        os.kill(client.describe()["engines"]["training[0]"]["pid"], signal.SIGKILL)
+        with pytest.raises(EngineDiedError, match=r"training\[0\]") as raised:
+            client.sync_weights()
+        assert raised.value.engine == "training[0]"
+        assert list(ray.get(attach_service().dead_engines.remote())) == ["training[0]"]
+    finally:
+        client.shutdown()
+    assert_nothing_left(pids)
+
+
+@pytest.mark.slow
 def test_an_engine_past_its_call_time_limit_is_declared_failed_and_shutdown_ends(local_ray: None) -> None:
     client = start(make_config(training_gpus=1, engine_call_timeout_s=5.0))
     pids = [engine["pid"] for engine in client.describe()["engines"].values()]

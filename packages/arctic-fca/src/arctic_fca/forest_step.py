@@ -42,7 +42,7 @@ def with_plan(
     attributes, not its fields one by one through the constructor."""
     if not hasattr(base, "__dict__"):
         return metadata_class(**{field.name: getattr(base, field.name) for field in fields(base)}, fca=plan)
-    metadata = object.__new__(metadata_class)  # type: ignore[call-overload]
+    metadata: Any = object.__new__(metadata_class)  # type: ignore[arg-type]
     metadata.__dict__.update(base.__dict__)
     metadata.fca = plan
     metadata.fca_update = update

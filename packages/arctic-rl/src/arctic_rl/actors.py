@@ -104,6 +104,12 @@ class EngineActor:
         except Exception as error:
             raise _as_engine_error(self.name, f"{method}() failed", error) from None
 
+    def call_split(self, method: str, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        """``call`` whose result travels as the second of two return objects (invoke with ``num_returns=2``): the
+        caller waits on the first (``True``, or the call's error) and hands the second to other actors by reference,
+        never fetching it (the object-store weight sync: the parameters go from the trainer to the samplers)."""
+        return True, self.call(method, *args, **kwargs)
+
     def get(self, attribute: str) -> Any:
         return getattr(self.engine, attribute)
 

@@ -1,7 +1,8 @@
 """Weight sync orchestration: the trainer's weights to every sampling replica, by the configured method.
 
-``object_store``: every training rank gathers its parameters (collective under ZeRO-3), rank 0's full tensors go to
-Ray's object store once, and each replica reads them from there. The cross-process methods (``nccl``,
+``object_store``: every training rank gathers its parameters (collective under ZeRO-3); rank 0's full tensors stay in
+Ray's object store as its call's result, and each replica reads them from there (the service passes the reference
+on, never fetching them). The cross-process methods (``nccl``,
 ``cuda_ipc``, ``gloo``) form a transfer group at the first sync that serves every later one: every rank iterates
 its parameters and trainer rank 0 drives the samplers' start / update / finish through the fan-out it was given
 (:class:`arctic_rl.actors.SamplerFanout`); finishing resets their prefix caches. The engines leave the group when
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from arctic_rl.engines.protocols import SamplingEngineProtocol, TrainingEngineProtocol
+from arctic_rl.errors import ArcticRLError
 
 if TYPE_CHECKING:
     from arctic_rl.actors import EngineHandle
@@ -37,17 +39,46 @@ class WeightSync:
         training: Sequence[EngineHandle[TrainingEngineProtocol]],
         sampling: Sequence[EngineHandle[SamplingEngineProtocol]],
     ) -> None:
-        import ray
-
         if self.method == "object_store":
-            gathered = self.calls.call_all(training, TrainingEngineProtocol.iter_full_parameters)
-            reference = ray.put(gathered[0])
-            del gathered
-            self.calls.call_all(sampling, SamplingEngineProtocol.update_weights, reference)
+            self._sync_by_reference(training, sampling)
             return
         if not self.ready:
             self._set_up(training, sampling)
         self.calls.call_all(training, TrainingEngineProtocol.send_weights)
+
+    def _sync_by_reference(
+        self,
+        training: Sequence[EngineHandle[TrainingEngineProtocol]],
+        sampling: Sequence[EngineHandle[SamplingEngineProtocol]],
+    ) -> None:
+        """Rank 0's gathered parameters go to the samplers as a reference to its call's second return object: the
+        samplers start as soon as rank 0 is done, and the tensors never pass through the service (no fetch, no
+        second ``ray.put``)."""
+        import ray
+
+        from arctic_rl.service.engine_calls import Pending
+
+        self.calls.require_alive([*training, *sampling])
+        first = training[0]
+        done, parameters = first.actor.call_split.options(num_returns=2).remote(
+            TrainingEngineProtocol.iter_full_parameters.__name__
+        )
+        # Every rank gathers (a collective under ZeRO-3): start them all before waiting on any.
+        gathers = [
+            Pending(first, done),
+            *(self.calls.start(handle, TrainingEngineProtocol.iter_full_parameters) for handle in training[1:]),
+        ]
+        updates: list[Pending[None]] = [
+            Pending(handle, handle.actor.call.remote(SamplingEngineProtocol.update_weights.__name__, parameters))
+            for handle in sampling
+        ]
+        try:
+            self.calls.gather(gathers)
+        except ArcticRLError:
+            # The samplers' updates fail with rank 0's gather: the error is the trainer's, not theirs.
+            ray.wait([call.reference for call in updates], num_returns=len(updates), timeout=self.calls.call_timeout_s)
+            raise
+        self.calls.gather(updates)
 
     def _set_up(
         self,
