@@ -195,6 +195,50 @@ def test_captured_batch_size_keeps_one_static_plan_for_every_later_step(backend:
     assert unpadded is not None and not unpadded.persistent and unpadded.num_requests == 5
 
 
+def test_static_steps_are_planned_by_the_first_layer_and_their_stats_read_after_their_updates() -> None:
+    """A captured size's step is planned in its forward (the first FCA layer runs the update; in vLLM's full graph
+    that is where the capture records it): until then the plan holds the previous step. Stats read every
+    log_interval steps count exactly the updates of the steps counted."""
+    from arctic_fca import get_stats, reset_stats
+    from arctic_fca.config import FcaConfig
+
+    capture, first, second = _same_width(
+        make_decode_batch([32] * 8, [[1]] * 8, block_size=16, num_kv_heads=2, queries_per_kv=4, seed=6),
+        make_decode_batch([100, 70], [[3, 0, 9], [20, 4]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=3),
+        make_decode_batch([50], [[1, 2, 30, 4, 5, 6]], block_size=16, num_kv_heads=2, queries_per_kv=4, seed=9),
+    )
+    impl_class = _fca_class("flash", "AttentionImpl")
+    impl = impl_class.__new__(impl_class)
+    impl.head_size, impl.scale = 32, 0.17
+    planner = _planner(first, num_heads=8)
+    planner.config = FcaConfig(enable=True, log_interval=2)
+    captured, update = planner.plan_step(_padded_metadata(capture, 8), capturing=True)
+    assert captured is not None and update is not None
+    update()
+    reset_stats()
+    for step, (batch, groups) in enumerate([(first, 2), (second, 1)] * 2 + [(first, 2)]):
+        plan, update = planner.plan_step(_padded_metadata(batch, 8))
+        assert plan is captured and update is not None
+        # Not planned yet: the plan holds the previous step's groups.
+        assert int(plan.num_groups) == (0 if step == 0 else 3 - groups)
+        rows = batch.query.shape[0]
+        query = torch.full((8, *batch.query.shape[1:]), float("nan"))
+        query[:rows] = batch.query
+        kv_cache = _packed_cache(batch.key_cache, batch.value_cache)
+        metadata = SimpleNamespace(num_actual_tokens=8, fca=plan, fca_update=update)
+        for _layer in range(2):
+            output = torch.full_like(query, float("nan"))
+            impl.forward(None, query, None, None, kv_cache, metadata, output)  # type: ignore[arg-type]
+            assert int(plan.num_groups) == groups
+            assert ((output[:rows] - _reference_out(batch)).norm() / _reference_out(batch).norm()).item() < 1e-5
+        stats = get_stats()
+        # Read at the start of every second step after the first two: the steps before it, all updated.
+        assert stats.grouped_requests == stats.requests and stats.steps == 2 * (step // 2)
+    planner.flush_stats()
+    stats = get_stats()
+    assert (stats.steps, stats.steps_grouped, stats.groups, stats.requests, stats.grouped_requests) == (5, 5, 8, 27, 27)
+
+
 def test_warm_up_of_a_full_graph_size_creates_its_static_plan() -> None:
     from vllm.config import CUDAGraphMode
 

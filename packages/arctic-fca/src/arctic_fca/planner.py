@@ -166,6 +166,10 @@ class ForestPlanner:
         step, to run on the device before the plan's first decode (the first FCA layer of the step's forward runs
         it). ``capturing``: vLLM captures a full CUDA graph of this batch (it gets a static plan, used by every later
         step of its size)."""
+        if self._unread_steps >= self.config.log_interval:
+            # Here, before this step adds anything: every counted step's counters are queued on the device (a
+            # static plan's update runs in its step's forward, after this build), so the read matches the count.
+            self.flush_stats()
         num_requests = metadata.num_reqs
         facts = self._layer_facts()
         # Everything here is fixed for a captured graph's batches: the choice a graph captured stays right for it.
@@ -293,8 +297,6 @@ class ForestPlanner:
     def _count_step(self, num_requests: int) -> None:
         self._unread_steps += 1
         self._unread_requests += num_requests
-        if self._unread_steps >= self.config.log_interval:
-            self.flush_stats()
 
     def flush_stats(self) -> None:
         """Record the steps counted since the last read with the device sums of their counters (waits for them)."""

@@ -80,7 +80,12 @@ class StaticForestPlan:
         device = torch.device(device)
         if grouping_gate is None:
             grouping_gate = torch.ones(1, dtype=torch.int32, device=device)
-        elif grouping_gate.shape != (1,) or grouping_gate.dtype != torch.int32 or grouping_gate.device != device:
+        elif (
+            grouping_gate.shape != (1,)
+            or grouping_gate.dtype != torch.int32
+            or grouping_gate.device.type != device.type
+            or (device.index is not None and grouping_gate.device.index != device.index)
+        ):
             raise PlanError(
                 f"grouping_gate must be an int32 tensor of shape [1] on {device}, got {grouping_gate.dtype} of shape "
                 f"{tuple(grouping_gate.shape)} on {grouping_gate.device}."
