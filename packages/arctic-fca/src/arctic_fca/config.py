@@ -47,8 +47,9 @@ class FcaConfig:
         min_non_singleton_fraction: if fewer than this fraction of a step's requests are in groups, the step is not
             grouped (every request reads its own context).
         max_non_singleton_groups: if a step has more groups than this, it is not grouped; 0 means no limit.
-        log_interval: log one step's stats every this many grouped-decode steps (on GPUs the counters are read from
-            the device in a batch at that point, since reading them waits for the device).
+        log_interval: log the stats every this many grouped-decode steps: on CPU one step's line, on GPUs the
+            interval's totals (the counters are summed on the device and read at that point, since reading them
+            waits for the device).
     """
 
     enable: bool = False
