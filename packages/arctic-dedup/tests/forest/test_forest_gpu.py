@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -50,6 +51,19 @@ def _random_batch(seed: int, block_size: int, queries_per_kv: int, head_dim: int
         shuffle=True,
         seed=seed,
     )
+
+
+def _captured(run: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``run``, after one eager call on a side stream (it compiles and records the launches)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
 
 
 def _check(out: torch.Tensor, lse: torch.Tensor, batch: DecodeBatch, scale: float) -> None:
@@ -254,14 +268,7 @@ def test_plan_and_decode_capture_in_a_cuda_graph() -> None:
         )
         forest_decode(batch.query, batch.key_cache, batch.value_cache, plan, 0.1, out=out, lse=lse)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
     # Replay with the requests reordered and fresh values: the plan is rebuilt inside the graph.
     order = torch.randperm(table.shape[0], device="cuda")
     table.copy_(batch.block_table[order])
@@ -322,14 +329,7 @@ def test_reused_workspace_in_a_cuda_graph_matches_the_torch_twin() -> None:
             )
         )
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
     captured = plans[-1]
     for seed in range(4):
         order = torch.randperm(table.shape[0], generator=torch.Generator().manual_seed(seed)).cuda()
@@ -552,14 +552,7 @@ def test_static_plan_decode_in_a_cuda_graph_replays_every_step_exactly() -> None
             forest_decode(query, key_cache, value_cache, static.plan, 0.1, out=outs[layer], lse=lses[layer])
 
     load(*steps[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layers()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layers()
+    graph = _captured(layers)
     for index, (batch, grouped) in enumerate(steps):
         table, seq_lens, starts = load(batch, grouped)
         for out, lse in zip(outs, lses, strict=True):
@@ -626,14 +619,7 @@ def test_static_plans_sharing_a_scratch_replay_their_graphs_in_turn_exactly() ->
             forest_decode, query, batch.key_cache, batch.value_cache, static.plan, 0.1, out=out, lse=lse
         )
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layer()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layer()
+        graph = _captured(layer)
         cases.append((graph, layer, batch, requests, out, lse))
     for graph, layer, batch, requests, out, lse in cases + cases:
         out.fill_(float("nan"))
@@ -709,14 +695,7 @@ def test_static_plan_update_captured_with_the_decode_plans_each_replay_from_the_
         forest_decode(query, key_cache, value_cache, static.plan, 0.1, out=out, lse=lse)
 
     load(*batches[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
     for open_gate in (1, 0, 1):
         gate.fill_(open_gate)
         for batch, requests in batches[1:] + batches[:1]:

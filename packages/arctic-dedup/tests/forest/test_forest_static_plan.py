@@ -39,6 +39,7 @@ def _static(
     num_cache_blocks: int = 200,
     config: ForestKernelConfig = SMALL,
     scratch: ForestScratch | None = None,
+    grouping_gate: torch.Tensor | None = None,
 ) -> StaticForestPlan:
     return StaticForestPlan(
         num_requests,
@@ -51,6 +52,7 @@ def _static(
         device="cpu",
         config=config,
         scratch=scratch,
+        grouping_gate=grouping_gate,
     )
 
 
@@ -175,18 +177,7 @@ def test_step_without_grouping_runs_the_same_plan_per_request(backend: Backend) 
 def test_grouping_gate_switches_grouping_off_and_on_with_the_same_launches(backend: Backend) -> None:
     batch = _batch(8, [70, 45], [[5, 9, 0], [12, 1, 7]])
     gate = torch.ones(1, dtype=torch.int32)
-    static = StaticForestPlan(
-        batch.block_table.shape[0],
-        WIDTH,
-        block_size=16,
-        num_cache_blocks=200,
-        max_query_len=1,
-        queries_per_kv=2,
-        num_kv_heads=2,
-        device="cpu",
-        config=SMALL,
-        grouping_gate=gate,
-    )
+    static = _static(batch.block_table.shape[0], grouping_gate=gate)
     assert static.grouping_gate is gate
     ungrouped = _fresh(batch, backend, ForestGrouping(min_group_size=2**31 - 1))
     for open_gate, groups in ((0, 0), (1, 2), (0, 0)):
@@ -207,17 +198,7 @@ def test_grouping_gate_switches_grouping_off_and_on_with_the_same_launches(backe
 def test_static_plan_rejects_a_gate_of_the_wrong_kind() -> None:
     for gate in (torch.ones(1), torch.ones(2, dtype=torch.int32), torch.ones((), dtype=torch.int32)):
         with pytest.raises(PlanError, match="grouping_gate must be an int32 tensor of shape"):
-            StaticForestPlan(
-                4,
-                WIDTH,
-                block_size=16,
-                num_cache_blocks=200,
-                max_query_len=1,
-                queries_per_kv=2,
-                num_kv_heads=2,
-                device="cpu",
-                grouping_gate=gate,
-            )
+            _static(4, grouping_gate=gate)
 
 
 def test_static_plan_rejects_a_batch_it_cannot_hold() -> None:
