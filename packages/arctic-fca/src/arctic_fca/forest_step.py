@@ -41,7 +41,8 @@ def with_plan(
     plan) and ``fca_update`` (the plan's update, run by the first layer) fields. Built every step: copies ``base``'s
     attributes, not its fields one by one through the constructor."""
     if not hasattr(base, "__dict__"):
-        return metadata_class(**{field.name: getattr(base, field.name) for field in fields(base)}, fca=plan)
+        fields_of_base = {field.name: getattr(base, field.name) for field in fields(base)}
+        return metadata_class(**fields_of_base, fca=plan, fca_update=update)
     metadata: Any = object.__new__(metadata_class)  # type: ignore[arg-type]
     metadata.__dict__.update(base.__dict__)
     metadata.fca = plan
