@@ -1,8 +1,8 @@
 """One RL step on one GPU, phase by phase: the whole stack (client -> Ray -> DeepSpeed trainer with ZoRRO + vLLM
 sampler with FCA) against the ideal step and against TRL's ``GRPOTrainer`` with vLLM colocated.
 
-**No GPU result exists yet**: this script was written and checked on the CPU (``--cpu-smoke``, run by
-``benchmarks/tests/test_rl_step_gpu.py``); ``benchmarks/results/rl_step_gpu.json`` is written by its first GPU run.
+Checked on the CPU by ``--cpu-smoke`` (run by ``benchmarks/tests/test_rl_step_gpu.py``); the GPU results (one H100,
+``--model 1.7b``) are in ``benchmarks/results/rl_step_gpu.json`` with their notes.
 
 The step: 8 prompts x 16 samples, prompts of 8192 tokens, responses of exactly 512 (``min_tokens`` = ``max_tokens``),
 on a random-init model of the Qwen3-4B layer shape (36 layers, hidden 2560, 32/8 heads of 128, MLP 9728, bf16) built
