@@ -26,6 +26,7 @@ def test_exported_names_and_version() -> None:
             "__version__",
             "check_vllm_version",
             "collect_stats",
+            "flush_stats",
             "get_stats",
             "is_active",
             "register",

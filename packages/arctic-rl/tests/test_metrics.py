@@ -64,3 +64,20 @@ def test_logprob_mismatch_by_hand() -> None:
     assert logprob_mismatch(sampler, trainer, torch.zeros_like(mask))["mismatch/tokens"] == 0.0
     with pytest.raises(ValueError, match="one shape"):
         logprob_mismatch(sampler, trainer[:, :2], mask)
+
+
+def test_step_metrics_report_what_the_fca_totals_grew_by_in_the_step() -> None:
+    from arctic_rl.service.step_metrics import StepMetrics
+
+    metrics = StepMetrics()
+    samplers = [{"enabled": 1.0, "steps": 10.0, "saved_bytes_per_layer": 1000.0}, {"enabled": 1.0, "steps": 4.0}]
+    first = metrics.finish(lambda: samplers)
+    assert (first["fca/enabled"], first["fca/steps"], first["fca/saved_bytes_per_layer"]) == (2.0, 14.0, 1000.0)
+    samplers[0] = {"enabled": 1.0, "steps": 25.0, "saved_bytes_per_layer": 1600.0}
+    second = metrics.finish(lambda: samplers)
+    assert (second["fca/enabled"], second["fca/steps"], second["fca/saved_bytes_per_layer"]) == (2.0, 15.0, 600.0)
+    # Totals below the previous ones: the samplers' counters were reset, so the step counts from zero.
+    samplers[:] = [{"enabled": 1.0, "steps": 3.0, "saved_bytes_per_layer": 50.0}]
+    third = metrics.finish(lambda: samplers)
+    assert (third["fca/enabled"], third["fca/steps"], third["fca/saved_bytes_per_layer"]) == (1.0, 3.0, 50.0)
+    assert not any(key.startswith("fca/") for key in metrics.finish(None))

@@ -9,12 +9,14 @@ with no logging set-up by the user (``VLLM_LOGGING_LEVEL`` and ``VLLM_CONFIGURE_
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 
 __all__ = [
     "LOGGER_NAME",
     "FcaStats",
+    "flush_stats",
     "get_stats",
     "record_standard_step",
     "record_step",
@@ -49,14 +51,27 @@ _lock = threading.Lock()
 _stats = FcaStats()
 
 
+def flush_stats() -> None:
+    """Record the counters that GPU planners of this process keep on the device between log intervals (waits for
+    the device): after it, ``get_stats()`` covers every step whose attention was queued so far. A no-op in a process
+    that runs no FCA backend."""
+    # Only a process that loaded a backend has planners; importing the planner elsewhere would import vLLM.
+    planner = sys.modules.get("arctic_fca.planner")
+    if planner is not None:
+        planner.flush_planner_stats()
+
+
 def get_stats() -> FcaStats:
-    """A copy of the totals."""
+    """A copy of the totals recorded so far (GPU planners record theirs every ``log_interval`` steps; call
+    ``flush_stats()`` first to include the steps since)."""
     with _lock:
         return FcaStats(**vars(_stats))
 
 
 def reset_stats() -> None:
+    """Start the totals from zero, the steps GPU planners still hold on the device included (waits for it)."""
     global _stats
+    flush_stats()
     with _lock:
         _stats = FcaStats()
 

@@ -9,22 +9,14 @@ vLLM's ``collective_rpc`` and sums over the workers. Method names travel, not co
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, fields
 from typing import Any
 
-from arctic_fca.stats import FcaStats, get_stats, reset_stats
+from arctic_fca.stats import FcaStats, flush_stats, get_stats, reset_stats
 
 __all__ = ["WORKER_EXTENSION", "FcaWorkerExtension", "collect_stats", "reset_worker_stats"]
 
 WORKER_EXTENSION = "arctic_fca.FcaWorkerExtension"
-
-
-def _flush_planners() -> None:
-    # Only a process that loaded a backend has planners; importing the planner elsewhere would import vLLM.
-    planner = sys.modules.get("arctic_fca.planner")
-    if planner is not None:
-        planner.flush_planner_stats()
 
 
 class FcaWorkerExtension:
@@ -32,11 +24,10 @@ class FcaWorkerExtension:
 
     def fca_stats(self) -> dict[str, int]:
         """This worker's FCA totals, GPU planners' pending steps included."""
-        _flush_planners()
+        flush_stats()
         return asdict(get_stats())
 
     def fca_reset_stats(self) -> None:
-        _flush_planners()
         reset_stats()
 
 

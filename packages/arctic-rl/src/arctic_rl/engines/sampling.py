@@ -497,11 +497,13 @@ class SamplingEngine:
         return math.sqrt(sharded + replicated)
 
     def fca_stats(self) -> dict[str, float]:
-        """arctic-fca's counters in this process (``enabled`` is 0.0 and nothing else is reported without FCA)."""
+        """arctic-fca's running totals in this process, the steps GPU planners still hold on the device included
+        (``enabled`` is 0.0 and nothing else is reported without FCA)."""
         if not self.config.fca.enable:
             return {"enabled": 0.0}
         import arctic_fca
 
+        arctic_fca.flush_stats()
         stats = arctic_fca.get_stats()
         return {"enabled": 1.0, **{name: float(value) for name, value in vars(stats).items()}}
 

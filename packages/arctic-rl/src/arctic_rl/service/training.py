@@ -194,7 +194,9 @@ class TrainingOperations(ServiceBase):
         }
 
     def _finish_step_metrics(self) -> dict[str, float]:
-        reads_fca = self.config.fca.enable and self.engines.sampling and not self.states.sleeping["sampling"]
+        # FCA's counters are host totals plus a small device sum outside vLLM's sleeping memory: readable while the
+        # samplers sleep, which is where a colocated step ends.
+        reads_fca = self.config.fca.enable and bool(self.engines.sampling)
         return self.metrics.finish(self._fca_stats if reads_fca else None)
 
     def _fca_stats(self) -> list[dict[str, float]]:
