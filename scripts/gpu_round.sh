@@ -60,6 +60,15 @@
 #                  it starts no engine after ARCTIC_FCA_VLLM_BUDGET_S, default 470 s)  (~9 min)
 #   fca-vllm-quick the same with --quick (the 4B 8x16 row, one 0.6B row, exactness on the 0.6B shape)  (~5 min)
 #   fca-vllm-tests arctic-fca's GPU tests: FCA inside vLLM, same greedy tokens in float32, logprobs in bf16  (~2 min)
+# Stages of the RL stack (after vLLM's carry and scripts/unpack_carry.sh .carry/rl/calls/00, which installs Ray,
+# DeepSpeed, TRL and the four packages into /tmp/site):
+#   rl-step        benchmarks/rl_step_gpu.py, our side: ARCTIC_RL_MODEL (default 1.7b, the shape an 80 GB card
+#                  trains), ARCTIC_RL_VARIANTS (default "colocated colocated_trainer_awake"), 3 steps; JSON in
+#                  $out/rl_ours  (~3 min a variant: 65 s of engine start, 42 s first step, 22 s a step on an H100)
+#   rl-step-trl    the same script, TRL 1.16's side alone, 2 steps (the first is warm-up); JSON in $out/rl_trl; join
+#                  both with --merge where no GPU is needed  (~7 min: TRL's 1.7B step is ~163 s on an H100)
+#   main-job       python recipes/grpo_parity.py as a user runs it: on a GPU machine it trains on the GPU, trainer and
+#                  sampler colocated (sleep / wake), ZoRRO and FCA on; its report in $out/main_job  (~3 min)
 # The exit status is that of the last stage that failed (0 when all succeeded).
 set -uo pipefail
 out="${OUT:-benchmarks/results}/r"
@@ -82,7 +91,9 @@ mkdir -p "$TRITON_CACHE_DIR"
 for choices in scripts/h200_autotune.tar.gz .tcache/autotune.tar.gz; do
   if [ -f "$choices" ]; then tar -xzf "$choices" -C "$TRITON_CACHE_DIR"; fi
 done
+# The tree's own code goes first (a carried wheel of an older commit is only there for its entry point).
 packages="$PWD/packages/arctic-dedup/src:$PWD/packages/arctic-zorro-train/src:$PWD/packages/arctic-fca/src"
+packages="$packages:$PWD/packages/arctic-rl/src:$PWD/src"
 # ARCTIC_TRITON=/tmp/triton371: a newer Triton assembled by scripts/gpu_triton.sh goes first on the path (for fla's
 # Gated DeltaNet kernels on Hopper; torch.compile users such as FlexAttention may not work with it).
 triton_dir=""
@@ -146,6 +157,11 @@ for stage in "$@"; do
     fca-vllm-quick) run fca_vllm_quick 400 python3 benchmarks/fca_vllm.py --quick --out "$out" --budget-s 300 ;;
     fca-vllm-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run fca_vllm_tests 300 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-fca/tests ;;
+    rl-step) run rl_step "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/rl_step_gpu.py --model "${ARCTIC_RL_MODEL:-1.7b}" \
+      --variants ${ARCTIC_RL_VARIANTS:-colocated colocated_trainer_awake} --steps 3 --trl-python '' --out "$out/rl_ours" ;;
+    rl-step-trl) run rl_step_trl "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/rl_step_gpu.py \
+      --model "${ARCTIC_RL_MODEL:-1.7b}" --variants --steps 2 --out "$out/rl_trl" ;;
+    main-job) run main_job "${ARCTIC_RL_LIMIT_S:-590}" python3 recipes/grpo_parity.py --out "$out/main_job" ;;
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
   esac
 done
