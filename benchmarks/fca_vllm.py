@@ -345,6 +345,11 @@ def profile_split(llm: Any, requests: list[Any], tokens: int, ms_per_step: float
         "profiled_steps": tokens,
         "top": profile["top"],
         "measured_on": profile["device"],
+        # Host events (name, self microseconds, count) over the profiled steps, and runtime calls per step.
+        "host_top": profile.get("host_top"),
+        "runtime_calls_per_step": {
+            name: count / tokens for name, count in (profile.get("runtime_calls") or {}).items()
+        },
     }
 
 
@@ -678,6 +683,11 @@ def build_report(engines: list[dict[str, Any]]) -> dict[str, Any]:
             split = measured["split"]
             for part in ("attention_ms", "rest_ms", "host_ms"):
                 entry[f"{label}_{part}"] = split.get(part)
+            calls = split.get("runtime_calls_per_step") or {}
+            entry[f"{label}_graph_launches_per_step"] = calls.get("cudaGraphLaunch")
+            entry[f"{label}_kernel_launches_per_step"] = sum(
+                count for name, count in calls.items() if "Launch" in name and name != "cudaGraphLaunch"
+            )
             if "error" in split:
                 entry[f"{label}_split_error"] = split["error"]
             if label == "fca":
@@ -874,6 +884,10 @@ def print_summary(report: dict[str, Any]) -> None:
         "fca_rest_ms",
         "fca_host_ms",
         "fca_first_call_extra_s",
+        "default_graph_launches_per_step",
+        "fca_graph_launches_per_step",
+        "default_kernel_launches_per_step",
+        "fca_kernel_launches_per_step",
     ]
     print()
     print_table(report["rows"], columns)

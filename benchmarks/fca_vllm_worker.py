@@ -29,6 +29,21 @@ ATTENTION_KERNEL = re.compile(
 )
 
 
+# CUDA runtime / driver calls whose counts per step tell a replayed full graph (one graph launch) from kernels
+# launched one by one, and show the host waiting on the device.
+RUNTIME_CALLS: tuple[str, ...] = (
+    "cudaGraphLaunch",
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchKernelExC",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpyAsync",
+)
+
+
 def kernel_category(name: str) -> str:
     return "attention" if ATTENTION_KERNEL.search(name) else "rest"
 
@@ -57,23 +72,29 @@ class BenchWorkerExtension(FcaWorkerExtension):
         worker: Any = self
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
-            activities = [torch.profiler.ProfilerActivity.CUDA]
+            # The host side too: which runtime calls a step makes (one graph launch, or kernel launches) and where
+            # the engine's host time goes.
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         worker._bench_profiler = torch.profiler.profile(activities=activities)
         worker._bench_profiler.start()
 
     def bench_profile_stop(self) -> dict[str, Any]:
         """Microseconds of device time per category since ``bench_profile_start`` (CPU op time on a CPU), and the
-        five costliest kernels of each category so the classification can be checked by eye."""
+        five costliest kernels of each category so the classification can be checked by eye; on a GPU also the host
+        events with the most self time and the counts of the CUDA runtime's launch and synchronization calls."""
         worker: Any = self
         profiler = worker._bench_profiler
         profiler.stop()
         worker._bench_profiler = None
         cuda = torch.cuda.is_available()
         by_name: dict[str, float] = defaultdict(float)
+        host: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         for event in profiler.events():
-            if cuda:
-                if event.device_type == torch.autograd.DeviceType.CUDA:
-                    by_name[event.name] += event.time_range.elapsed_us()
+            if cuda and event.device_type == torch.autograd.DeviceType.CUDA:
+                by_name[event.name] += event.time_range.elapsed_us()
+            elif cuda:
+                host[event.name][0] += event.self_cpu_time_total
+                host[event.name][1] += 1
             else:
                 by_name[event.name] += event.self_cpu_time_total
         totals: dict[str, float] = defaultdict(float)
@@ -83,13 +104,18 @@ class BenchWorkerExtension(FcaWorkerExtension):
             totals[category] += microseconds
             if len(top[category]) < 5:
                 top[category].append((name[:120], round(microseconds, 1)))
-        return {
+        result: dict[str, Any] = {
             "attention_us": totals["attention"],
             "rest_us": totals["rest"],
             "kernels": len(by_name),
             "top": dict(top),
             "device": "cuda" if cuda else "cpu",
         }
+        if cuda:
+            ranked = sorted(host.items(), key=lambda item: -item[1][0])
+            result["host_top"] = [(name[:120], round(micro, 1), int(count)) for name, (micro, count) in ranked[:15]]
+            result["runtime_calls"] = {name: int(host[name][1]) for name in RUNTIME_CALLS if name in host}
+        return result
 
 
 class ForcedContinuation(LogitsProcessor):
