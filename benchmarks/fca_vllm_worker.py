@@ -7,6 +7,7 @@ Not a script: ``fca_vllm.py`` is the entry point.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from typing import Any
@@ -18,6 +19,14 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from arctic_fca import FcaWorkerExtension
 
 __all__ = ["FORCED_TOKENS_KEY", "BenchWorkerExtension", "ForcedContinuation", "kernel_category"]
+
+# The A/B of the host-bound rows (notes, 2026-12-07): ARCTIC_BENCH_NO_PDL=1 in the benchmark's environment launches
+# FCA's kernels in this engine without programmatic dependent launches (the library uses them where the device has
+# them: an early combine then waits on the GPU for its request's partials).
+if os.environ.get("ARCTIC_BENCH_NO_PDL") == "1":
+    from arctic_dedup.forest import _launch
+
+    _launch.dependent_launches = lambda config, device: False
 
 # SamplingParams.extra_args key holding the token ids a request must emit, one per decode step.
 FORCED_TOKENS_KEY = "forced_tokens"
