@@ -241,9 +241,10 @@ def summarize(records: list[StepRecord], window: int) -> dict[str, float]:
     }
     for phase in PHASES:
         summary[f"seconds_{phase}"] = statistics.fmean(record.seconds[phase] for record in records)
-    # The sampler's FCA counters are totals since it started: the last step holds the whole run's.
-    fca = records[-1].extra
-    if fca.get("fca/steps"):
+    # Each step reports what the sampler's FCA counters grew by in it: the run's are their sums.
+    keys = ("fca/steps", "fca/steps_grouped", "fca/grouped_requests", "fca/requests")
+    fca = {key: sum(record.extra.get(key, 0.0) for record in records) for key in keys}
+    if fca["fca/steps"]:
         summary["fca_decode_steps"] = fca["fca/steps"]
         summary["fca_steps_grouped_share"] = fca.get("fca/steps_grouped", 0.0) / fca["fca/steps"]
         summary["fca_requests_grouped_share"] = fca.get("fca/grouped_requests", 0.0) / max(

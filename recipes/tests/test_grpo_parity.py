@@ -154,14 +154,21 @@ def test_results_are_written_first_and_the_plot_is_optional(
 
 def test_the_summary_reports_fcas_share_of_the_decode_steps() -> None:
     records = [_record(step, 0.5) for step in range(4)]
-    # The sampler's counters are totals since it started: the last step's are the run's.
+    # Each step's counters are what it added: the run's shares come from their sums.
+    records[1].extra = {
+        "fca/steps": 10.0,
+        "fca/steps_grouped": 10.0,
+        "fca/requests": 100.0,
+        "fca/grouped_requests": 0.0,
+    }
     records[-1].extra = {
-        "fca/steps": 40.0,
-        "fca/steps_grouped": 30.0,
-        "fca/requests": 400.0,
+        "fca/steps": 30.0,
+        "fca/steps_grouped": 20.0,
+        "fca/requests": 300.0,
         "fca/grouped_requests": 100.0,
     }
     summary = summarize(records, window=1)
+    assert summary["fca_decode_steps"] == 40.0
     assert summary["fca_steps_grouped_share"] == pytest.approx(0.75)
     assert summary["fca_requests_grouped_share"] == pytest.approx(0.25)
-    assert "fca_decode_steps" not in summarize(records[:-1], window=1)
+    assert "fca_decode_steps" not in summarize(records[:1], window=1)
