@@ -52,7 +52,7 @@ hjson and pydantic, TRL 1.16 with accelerate and datasets, and this repository's
     python benchmarks/rl_step_gpu.py                         # one GPU, the 4B shape, ~30 minutes
     python benchmarks/rl_step_gpu.py --model 1.7b --variants colocated colocated_trainer_awake --steps 3 \
         --trl-python ''                                      # ours, H100
-    python benchmarks/rl_step_gpu.py --model 1.7b --variants --steps 3                            # TRL's side
+    python benchmarks/rl_step_gpu.py --model 1.7b --variants --steps 2    # TRL's side (~163 s a step on an H100)
     python benchmarks/rl_step_gpu.py --merge A/rl_step_gpu.json B/rl_step_gpu.json --out benchmarks/results
     python benchmarks/rl_step_gpu.py --cpu-smoke             # CPU, tiny model, one split variant: checks the script
 """
