@@ -310,7 +310,8 @@ def run_ours(model_dir: str, shape: StepShape, variant: Variant, settings: RunSe
                     "temperature": settings.temperature,
                     "seed": settings.seed * 100_003 + step,
                     # The reward reads token ids (the main job's setting): no per-step decoding of every sampled
-                    # token's log-prob entry (about 4 ms a step at 128 sequences on the 2-core CPU machine).
+                    # token's log-prob entry (2-4 ms a step at 128 sequences on the 2-core CPU machine: lab results,
+                    # sampler_detokenize_cpu.txt).
                     "detokenize": False,
                 },
             )
