@@ -667,6 +667,12 @@ def _agreement(first: list[list[int]], second: list[list[int]]) -> dict[str, Any
     }
 
 
+def engine_instance(key: str) -> int:
+    """The instance an engine key names (``EngineSpec.key``): 0 for the first, ``.../runN`` for the N-th."""
+    last = key.rsplit("/", 1)[-1]
+    return int(last.removeprefix("run")) - 1 if last.startswith("run") else 0
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The run of a row with the median time per step (the lower of the two middle ones for an even count), so a
     row's numbers and its split all come from one engine."""
@@ -680,13 +686,16 @@ def build_report(engines: list[dict[str, Any]]) -> dict[str, Any]:
     by_key = {engine["engine"]: engine for engine in engines}
     rows: list[dict[str, Any]] = []
     known_rows = [*ROWS, *SMOKE_ROWS]
-    timing_runs: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    # (row, backend) -> {engine instance: that engine's measurement of the row}
+    timing_runs: dict[tuple[str, str], dict[int, dict[str, Any]]] = defaultdict(dict)
     for engine in engines:
         if engine["engine"].startswith("timing/"):
             for row in engine.get("rows", []):
-                timing_runs[(row["row"], row["backend"])].append(row)
+                timing_runs[(row["row"], row["backend"])][engine_instance(engine["engine"])] = row
     for name in [row.name for row in known_rows]:
-        default_runs, fca_runs = timing_runs.get((name, "default"), []), timing_runs.get((name, "fca"), [])
+        default_by_instance, fca_by_instance = timing_runs[(name, "default")], timing_runs[(name, "fca")]
+        default_runs = [default_by_instance[index] for index in sorted(default_by_instance)]
+        fca_runs = [fca_by_instance[index] for index in sorted(fca_by_instance)]
         default, fca = median_run(default_runs), median_run(fca_runs)
         if default is None and fca is None:
             continue
@@ -715,9 +724,11 @@ def build_report(engines: list[dict[str, Any]]) -> dict[str, Any]:
         if len(default_runs) > 1 or len(fca_runs) > 1:
             entry["default_ms_per_step_runs"] = [run["ms_per_step"] for run in default_runs]
             entry["fca_ms_per_step_runs"] = [run["ms_per_step"] for run in fca_runs]
-            # Each FCA engine against the default engine started just before it.
+            # Each FCA engine against the default engine of its instance (started just before it); an instance where
+            # either engine measured nothing has no pair.
             entry["speedup_runs"] = [
-                first["ms_per_step"] / second["ms_per_step"] for first, second in zip(default_runs, fca_runs)
+                default_by_instance[index]["ms_per_step"] / fca_by_instance[index]["ms_per_step"]
+                for index in sorted(default_by_instance.keys() & fca_by_instance.keys())
             ]
         rows.append(entry)
 

@@ -159,6 +159,11 @@ def test_several_engine_instances_alternate_and_a_row_reports_the_median_engine(
     assert row["speedup"] == pytest.approx(8.2 / 6.7)
     assert row["default_ms_per_step_runs"] == default_ms and row["fca_ms_per_step_runs"] == fca_ms
     assert row["speedup_runs"] == pytest.approx([6.0 / 7.3, 8.8 / 6.7, 8.2 / 5.0])
+    # An FCA engine that measured nothing leaves its instance unpaired; the others keep their own default engine.
+    without_second_fca = [engine for engine in engines if engine["engine"] != "timing/06b/fca/bfloat16/run2"]
+    (row,) = fca_vllm.build_report(without_second_fca)["rows"]
+    assert row["speedup_runs"] == pytest.approx([6.0 / 7.3, 8.2 / 5.0])
+    assert row["fca_ms_per_step_runs"] == [7.3, 5.0] and row["fca_ms_per_step"] == 5.0
     # One instance (the default): one engine per backend, no *_runs keys.
     single = fca_vllm.build_report(engines[:2])["rows"][0]
     assert single["speedup"] == pytest.approx(6.0 / 7.3) and "speedup_runs" not in single
