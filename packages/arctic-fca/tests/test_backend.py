@@ -65,13 +65,19 @@ def _common_metadata(batch: Any) -> Any:
     )
 
 
-def _planner(batch: Any, num_heads: int, on_cpu: bool = False, **knobs: int) -> Any:
+def _planner(batch: Any, num_heads: int, on_cpu: bool = False, leave_ungrouped: bool = False, **knobs: int) -> Any:
     from arctic_fca.config import FcaConfig
     from arctic_fca.planner import ForestPlanner
 
     num_blocks, block_size, num_kv_heads, head_dim = batch.key_cache.shape
     spec = SimpleNamespace(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=torch.float32)
-    planner = ForestPlanner(spec, ["layer.0"], vllm_config=None, on_cpu=on_cpu)  # type: ignore[arg-type]
+    planner = ForestPlanner(
+        spec,
+        ["layer.0"],
+        vllm_config=None,  # type: ignore[arg-type]
+        on_cpu=on_cpu,
+        leave_ungrouped=leave_ungrouped,
+    )
     planner.config = FcaConfig(enable=True, **knobs)
     planner.grouping = planner.config.grouping()
     impl = SimpleNamespace(num_heads=num_heads, attn_type="decoder", sliding_window=(-1, -1), alibi_slopes=None)
@@ -102,6 +108,58 @@ def test_cuda_side_planner_and_impl_match_reference(backend: str, physical: str)
     fields = metadata_class.__dataclass_fields__
     assert "fca" in fields and "block_table" in fields
     assert set(_standard_class(backend, "Metadata").__dataclass_fields__) < set(fields)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_flash_impl_leaves_ungrouped_requests_to_flash_attention(monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+    """FlashAttention (here a reference paged kernel over the metadata's lengths, as FlashAttention reads
+    ``seqused_k``) attends the requests no group takes; FCA writes the grouped ones; together: the reference."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    from arctic_fca.backend import FcaFlashAttentionImpl, FcaFlashMetadataBuilder
+
+    assert FcaFlashMetadataBuilder.leaves_ungrouped_to_standard
+    # Two groups of samples and two prompts sampled once; or, with nothing shared, four prompts sampled once.
+    groups = ([70, 45, 60, 33], [[5, 9, 0], [12], [3, 7], [2]]) if shared else ([50, 40, 30, 20], [[1], [2], [3], [4]])
+    batch = make_decode_batch(*groups, block_size=16, num_kv_heads=2, queries_per_kv=4, shuffle=True, seed=9)
+    lengths_seen: list[torch.Tensor] = []
+
+    def flash_attention(
+        self: Any,
+        layer: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        kv_cache: Any,
+        metadata: Any,
+        output: torch.Tensor,
+        *scales: Any,
+    ) -> torch.Tensor:
+        assert metadata.fca is None and not metadata.use_cascade
+        lengths_seen.append(metadata.seq_lens.clone())
+        ref, _ = reference_paged_attention(
+            query, batch.key_cache, batch.value_cache, batch.block_table, metadata.seq_lens, batch.query_start_loc, 0.17
+        )
+        output[: ref.shape[0]] = torch.nan_to_num(ref, nan=0.0)
+        return output
+
+    monkeypatch.setattr(FlashAttentionImpl, "forward", flash_attention)
+    plan = _planner(batch, num_heads=8, leave_ungrouped=True).plan(_common_metadata(batch))
+    assert plan is not None and plan.leaves_ungrouped
+    metadata = SimpleNamespace(num_actual_tokens=int(batch.query_start_loc[-1]), fca=plan, use_cascade=True)
+    impl = FcaFlashAttentionImpl.__new__(FcaFlashAttentionImpl)
+    impl.head_size, impl.scale = 32, 0.17
+    kv_cache = _packed_cache(batch.key_cache, batch.value_cache)
+    for _ in range(2):  # two layers of one step: the standard metadata is made once
+        output = torch.full_like(batch.query, float("nan"))
+        impl.forward(None, batch.query, None, None, kv_cache, metadata, output)  # type: ignore[arg-type]
+        assert ((output - _reference_out(batch)).norm() / _reference_out(batch).norm()).item() < 1e-5
+    grouped = plan.prefix_blocks > 0
+    assert int(grouped.sum()) == (5 if shared else 0)
+    assert len(lengths_seen) == 2 and all(
+        torch.equal(seen, torch.where(grouped, 0, batch.seq_lens)) for seen in lengths_seen
+    )
+    assert metadata.fca_standard.seq_lens is plan.standard_seq_lens and metadata.use_cascade
 
 
 def test_planner_sends_long_queries_and_small_batches_to_standard_attention() -> None:

@@ -75,10 +75,14 @@ def _dtype_name(dtype: Any) -> str:
 class FcaFlashMetadata(FlashAttentionMetadata):
     fca: ForestPlan | None = None
     fca_update: PlanUpdate | None = None
+    # The standard forward's metadata for the requests the plan leaves out (forest_step.standard_metadata).
+    fca_standard: FlashAttentionMetadata | None = None
 
 
 class FcaFlashMetadataBuilder(ForestMetadataBuilder, FlashAttentionMetadataBuilder):
     fca_metadata_class = FcaFlashMetadata
+    # FlashAttention's decode reads an unshared context at the read-rate bound: it keeps the requests no group takes.
+    leaves_ungrouped_to_standard = True
 
 
 class FcaFlashAttentionImpl(ForestAttentionImpl, FlashAttentionImpl):

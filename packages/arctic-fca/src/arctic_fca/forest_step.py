@@ -1,10 +1,17 @@
 """What every FCA backend adds to the vLLM backend it wraps: its metadata builder plans each step
 (``ForestMetadataBuilder``: the standard metadata plus the step's ``ForestPlan``, vLLM's full CUDA graphs of uniform
 decode batches), its attention implementation runs ``forest_decode`` where the step has a plan
-(``ForestAttentionImpl``), and the standard backend runs everything else."""
+(``ForestAttentionImpl``), and the standard backend runs everything else.
+
+A builder that sets ``leaves_ungrouped_to_standard`` plans steps whose ungrouped requests (no prefix shared with
+another request of the batch) go to the standard kernel itself: each layer first runs the standard forward over the
+batch with those requests' lengths (``ForestPlan.standard_seq_lens``, 0 for a grouped request, so the standard kernel
+reads no key of a grouped request), then ``forest_decode`` writes the grouped requests' rows. A batch with nothing
+shared then costs the standard kernel plus FCA's empty launches; both run on the device inside a captured graph."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any, ClassVar, TypeVar
@@ -28,6 +35,7 @@ __all__ = [
     "paged_cache_views",
     "replace_plan",
     "run_forest",
+    "standard_metadata",
     "with_plan",
 ]
 
@@ -68,6 +76,28 @@ def paged_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Ten
     return key_cache, value_cache
 
 
+def standard_metadata(metadata: Any) -> Any:
+    """The step's metadata for the standard forward over the requests its plan leaves out (a copy whose lengths are
+    ``plan.standard_seq_lens``); made by the step's first layer and kept on ``metadata`` for the others."""
+    standard = getattr(metadata, "fca_standard", None)
+    if standard is None:
+        standard = copy.copy(metadata)
+        standard.seq_lens = metadata.fca.standard_seq_lens
+        standard.fca = standard.fca_update = None
+        if getattr(standard, "use_cascade", False):
+            # vLLM's cascade split the lengths at the batch's common prefix; these lengths are whole contexts.
+            standard.use_cascade = False
+            standard.scheduler_metadata = None
+        metadata.fca_standard = standard
+    return standard
+
+
+def forest_fits(query: torch.Tensor, key_cache: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether ``forest_decode`` can read this layer: the cache in the query's dtype (not quantized), the output
+    ``[T, H_q, D]``."""
+    return key_cache.dtype == query.dtype and output.dim() == 3
+
+
 def run_forest(
     impl: Any,
     query: torch.Tensor,
@@ -76,9 +106,9 @@ def run_forest(
     metadata: Any,
     output: torch.Tensor,
 ) -> bool:
-    """Run forest decode into ``output``; False (nothing written) when this layer's tensors do not fit the plan (a
-    quantized cache, whose dtype is not the query's, or an output that is not ``[T, H_q, D]``)."""
-    if key_cache.dtype != query.dtype or output.dim() != 3:
+    """Run forest decode into ``output``; False (nothing written) when this layer's tensors do not fit the plan
+    (``forest_fits``)."""
+    if not forest_fits(query, key_cache, output):
         return False
     num_tokens = metadata.num_actual_tokens
     forest_decode(
@@ -100,13 +130,21 @@ class ForestMetadataBuilder(AttentionMetadataBuilder):
 
     fca_metadata_class: ClassVar[type]
     plans_on_cpu: ClassVar[bool] = False
+    # The standard kernel attends the requests no group takes (see the module's docstring).
+    leaves_ungrouped_to_standard: ClassVar[bool] = False
     # vLLM reuses one KV-cache group's metadata for another group of the same spec by swapping in its block table
     # (update_block_table); the plan was made from the first table, so every group builds its own.
     supports_update_block_table: bool = False
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.forest_planner = ForestPlanner(kv_cache_spec, layer_names, vllm_config, on_cpu=self.plans_on_cpu)
+        self.forest_planner = ForestPlanner(
+            kv_cache_spec,
+            layer_names,
+            vllm_config,
+            on_cpu=self.plans_on_cpu,
+            leave_ungrouped=self.leaves_ungrouped_to_standard,
+        )
         self._capturing = False
         # A speculator that refreshes draft metadata inside its graph (update_draft_decode_metadata) would keep the
         # previous step's plan: FCA's metadata is only right when build() runs.
@@ -177,7 +215,13 @@ class ForestAttentionImpl(AttentionImpl):
             if update is not None:
                 update()
             inputs = self.forest_inputs(layer, kv_cache, attn_metadata)
-            if inputs is not None and run_forest(self, query, *inputs, output):
+            if inputs is not None and forest_fits(query, inputs[0], output):
+                if attn_metadata.fca.leaves_ungrouped:
+                    # The requests no group takes: the standard kernel, over their lengths only.
+                    super().forward(
+                        layer, query, key, value, kv_cache, standard_metadata(attn_metadata), output, None, None
+                    )
+                run_forest(self, query, *inputs, output)
                 return output
         return super().forward(
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale

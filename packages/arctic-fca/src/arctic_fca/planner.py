@@ -73,8 +73,17 @@ class PlanUpdate:
 class ForestPlanner:
     """Builds one step's ``ForestPlan`` for one KV-cache group and records the step's stats."""
 
-    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, on_cpu: bool) -> None:
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        on_cpu: bool,
+        leave_ungrouped: bool = False,
+    ) -> None:
         self.config = FcaConfig.from_env()
+        # The plans leave the ungrouped requests to the standard backend (``ForestPlan.leaves_ungrouped``).
+        self.leave_ungrouped = leave_ungrouped and not on_cpu
         self.grouping = self.config.grouping()
         self.block_size = int(kv_cache_spec.block_size)
         self.num_kv_heads = int(kv_cache_spec.num_kv_heads)
@@ -204,6 +213,7 @@ class ForestPlanner:
                     workspace=self._workspace_for(num_cache_blocks, table.device),
                     scratch=self._scratch,
                     grouping_gate=self._gate(table.device),
+                    leave_ungrouped=self.leave_ungrouped,
                 )
                 # Made here, outside any capture: a graph that captured their creation would zero them at replay.
                 self._totals_on(table.device)
@@ -223,6 +233,7 @@ class ForestPlanner:
             num_kv_heads=self.num_kv_heads,
             grouping=self.grouping,
             workspace=None if self.on_cpu else self._workspace_for(num_cache_blocks, table.device),
+            leave_ungrouped=self.leave_ungrouped,
         )
         if self.on_cpu:
             groups = int(plan.num_groups.item())

@@ -201,6 +201,7 @@ def _finish_plan(
     split_tokens_ptr,
     stats_ptr,
     ready_ptr,
+    standard_lens_ptr,
     ready_count,
     num_requests,
     block_size,
@@ -214,6 +215,7 @@ def _finish_plan(
     GROUPED: tl.constexpr,
     MEMBERS: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    LEAVE_UNGROUPED: tl.constexpr,
 ):
     requests = tl.arange(0, BLOCK_R)
     # The early combine's per-(request, kv head) counts start every decode call of this plan at zero.
@@ -261,6 +263,7 @@ def _finish_plan(
         num_groups = tl.sum(is_leader.to(tl.int32), 0)
         num_grouped = tl.sum(grouped.to(tl.int32), 0)
     else:
+        grouped = tl.zeros([BLOCK_R], dtype=tl.int1)
         leader = requests
         prefix = tl.zeros([BLOCK_R], dtype=tl.int32)
         tile = tl.full([BLOCK_R], -1, dtype=tl.int32)
@@ -278,6 +281,11 @@ def _finish_plan(
     # Work items: owners 0..N-1 are tiles (prefix splits), owners N..2N-1 are requests (suffix splits).
     prefix_tokens = tile_prefix * block_size
     suffix_tokens = tl.where(in_batch, tl.maximum(seq_lens - prefix * block_size, 0), 0)
+    if LEAVE_UNGROUPED:
+        # The caller attends the ungrouped requests itself over these lengths (0 for a grouped request); they get
+        # no work items here, so the decode writes only the grouped requests' rows.
+        tl.store(standard_lens_ptr + requests, tl.where(grouped, 0, seq_lens), mask=in_batch)
+        suffix_tokens = tl.where(grouped, suffix_tokens, 0)
     prefix_split = _split_tokens(tl.sum(prefix_tokens, 0), prefix_target_items, granularity)
     suffix_split = _split_tokens(tl.sum(suffix_tokens, 0), suffix_target_items, granularity)
     prefix_items = _item_count(prefix_tokens, prefix_split)
@@ -332,6 +340,7 @@ def plan_group_kernel(
     split_tokens_ptr,
     stats_ptr,
     ready_ptr,
+    standard_lens_ptr,
     ready_count,
     stride_table_row,
     max_blocks,
@@ -348,6 +357,7 @@ def plan_group_kernel(
     MEMBERS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    LEAVE_UNGROUPED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _follow_previous_launch(PDL)
@@ -403,6 +413,7 @@ def plan_group_kernel(
             split_tokens_ptr,
             stats_ptr,
             ready_ptr,
+            standard_lens_ptr,
             ready_count,
             num_requests,
             block_size,
@@ -416,6 +427,7 @@ def plan_group_kernel(
             True,
             MEMBERS,
             BLOCK_R,
+            LEAVE_UNGROUPED,
         )
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
 
@@ -431,12 +443,14 @@ def plan_paged_kernel(
     split_tokens_ptr,
     stats_ptr,
     ready_ptr,
+    standard_lens_ptr,
     ready_count,
     num_requests,
     block_size,
     suffix_target_items,
     granularity,
     BLOCK_R: tl.constexpr,
+    LEAVE_UNGROUPED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _follow_previous_launch(PDL)
@@ -461,6 +475,7 @@ def plan_paged_kernel(
         split_tokens_ptr,
         stats_ptr,
         ready_ptr,
+        standard_lens_ptr,
         ready_count,
         num_requests,
         block_size,
@@ -474,6 +489,7 @@ def plan_paged_kernel(
         False,
         1,
         BLOCK_R,
+        LEAVE_UNGROUPED,
     )
 
 
@@ -1187,8 +1203,9 @@ def forest_combine_kernel(
     if HAS_PREFIX:
         tile = tl.load(tile_of_ptr + request, cache_modifier=LOAD_CACHE)
         slot = tl.load(slot_in_tile_ptr + request, cache_modifier=LOAD_CACHE)
-    # A request whose context was one suffix item was written by the attention kernel itself.
-    needed = (tile >= 0) | (suffix_count != 1)
+    # A request whose context was one suffix item was written by the attention kernel itself; one with no items at
+    # all is padding or was left to the caller (``ForestPlan.leaves_ungrouped``): its rows are not written.
+    needed = (tile >= 0) | (suffix_count > 1)
     if needed:
         prefix_first = tl.zeros([], dtype=tl.int32)
         prefix_count = tl.zeros([], dtype=tl.int32)

@@ -125,10 +125,12 @@ def launch_plan(
     workspace: ForestWorkspace | None,
     config: ForestKernelConfig,
     grouping_gate: torch.Tensor | None = None,
+    leave_ungrouped: bool = False,
 ) -> None:
     """Fill a plan's buffers on the device: three launches with grouping, one without; no host reads.
 
     ``grouping_gate`` (int32 ``[1]`` on the device, optional): where it holds 0 the grouping launches find no groups.
+    ``leave_ungrouped``: ungrouped requests get no work items and ``views["standard_seq_lens"]`` their lengths.
     """
     from arctic_dedup.forest._kernels import (
         plan_count_kernel,
@@ -152,12 +154,14 @@ def launch_plan(
             views["split_tokens"],
             views["num_groups"],
             views["combine_ready"],
+            views["standard_seq_lens"],
             views["combine_ready"].numel(),
             num_requests,
             block_size,
             sizes.suffix_target_items,
             config.split_granularity,
             BLOCK_R=block_requests,
+            LEAVE_UNGROUPED=leave_ungrouped,
             num_warps=finish_warps,
             **pdl,
         )
@@ -229,6 +233,7 @@ def launch_plan(
         views["split_tokens"],
         views["num_groups"],
         views["combine_ready"],
+        views["standard_seq_lens"],
         views["combine_ready"].numel(),
         block_table.stride(0),
         max_blocks,
@@ -245,6 +250,7 @@ def launch_plan(
         MEMBERS=sizes.members_per_tile,
         BLOCK_R=block_requests,
         BLOCK_E=block_entries,
+        LEAVE_UNGROUPED=leave_ungrouped,
         num_warps=finish_warps,
         **pdl,
     )

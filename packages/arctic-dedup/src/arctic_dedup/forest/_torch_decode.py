@@ -54,7 +54,8 @@ class TorchQueryRows:
 class TorchDecodeIndex:
     """Host-built gather indices of one plan for the torch path.
 
-    ``rows [R]``: the query rows the call writes. Suffix items are the requests with query tokens, each over its
+    ``rows [R]``: the query rows the call writes (only the grouped requests' where the plan leaves the others to the
+    caller). Suffix items are the requests with query tokens, each over its
     tokens after its group's prefix, causal within its query tokens: first the grouped requests, group by group (in
     request order within a group), then the others. Prefix items (``None`` when no request is grouped) are the
     groups with query tokens, each over its leader's shared prefix for all its members' rows, so their rows are the
@@ -127,6 +128,9 @@ def build_torch_decode_index(plan: ForestPlan, device: torch.device) -> TorchDec
     counts = starts[1:] - starts[:-1]
 
     active = np.flatnonzero(counts > 0)
+    if plan.leaves_ungrouped:
+        # The caller attends the ungrouped requests (ForestPlan.leaves_ungrouped): their rows are not written here.
+        active = active[prefix_blocks[active] > 0]
     grouped = prefix_blocks[active] > 0
     group_leaders, group_of = np.unique(leaders[active[grouped]], return_inverse=True)
     # Grouped requests first, group by group (stable: request order within a group), then the ungrouped ones.

@@ -211,7 +211,9 @@ def _plan_buffers(num_requests: int, num_kv_heads: int, device: torch.device) ->
     )
     per_request = len(names) * num_requests
     ready = num_requests * num_kv_heads
-    buffer = torch.empty(per_request + 2 * num_requests + 1 + 2 + 3 + ready, dtype=torch.int32, device=device)
+    # Per request: the named views, then standard_seq_lens last (after the work list, stats and early-combine counts).
+    size = per_request + 2 * num_requests + 1 + 2 + 3 + ready + num_requests
+    buffer = torch.empty(size, dtype=torch.int32, device=device)
     views = {name: buffer[i * num_requests : (i + 1) * num_requests] for i, name in enumerate(names)}
     views["work_start"] = buffer[per_request : per_request + 2 * num_requests + 1]
     tail = per_request + 2 * num_requests + 1
@@ -221,6 +223,7 @@ def _plan_buffers(num_requests: int, num_kv_heads: int, device: torch.device) ->
     views["saved_block_reads"] = buffer[tail + 4 : tail + 5]
     views["stats"] = buffer[tail + 2 : tail + 5]
     views["combine_ready"] = buffer[tail + 5 : tail + 5 + ready]
+    views["standard_seq_lens"] = buffer[tail + 5 + ready :]
     return views
 
 
@@ -243,6 +246,7 @@ def _fill_torch(
     sizes: PlanSizes,
     block_size: int,
     granularity: int,
+    leave_ungrouped: bool,
 ) -> None:
     """The finishing step of the planner in plain torch (the CPU path; mirrors ``_finish_plan`` in the kernels)."""
     num_requests = sizes.num_requests
@@ -275,6 +279,9 @@ def _fill_torch(
 
     prefix_tokens = views["tile_prefix_blocks"].to(torch.int64) * block_size
     suffix_tokens = (seq - prefix * block_size).clamp_min(0)
+    if leave_ungrouped:
+        views["standard_seq_lens"].copy_(torch.where(grouped, 0, seq).to(torch.int32))
+        suffix_tokens = torch.where(grouped, suffix_tokens, 0)
     prefix_split = _split_tokens(prefix_tokens.sum(), sizes.prefix_target_items, granularity)
     suffix_split = _split_tokens(suffix_tokens.sum(), sizes.suffix_target_items, granularity)
     prefix_items = _item_count(prefix_tokens, prefix_split)
@@ -308,9 +315,11 @@ def _fill(
     workspace: ForestWorkspace | None,
     backend: Backend,
     grouping_gate: torch.Tensor | None = None,
+    leave_ungrouped: bool = False,
 ) -> None:
     """Write one step's plan into ``views`` (int32 ``seq`` and ``starts``); never reads the device on the host.
-    Where ``grouping_gate`` (int32 ``[1]``) holds 0, grouping finds no groups."""
+    Where ``grouping_gate`` (int32 ``[1]``) holds 0, grouping finds no groups. ``leave_ungrouped``: see
+    ``ForestPlan.leaves_ungrouped``."""
     device = block_table.device
     num_requests = block_table.shape[0]
     if resolve_backend(backend, block_table) == "triton":
@@ -322,7 +331,19 @@ def _fill(
                     f"the workspace was made for {workspace.num_cache_blocks} cache blocks on {workspace.device}, "
                     f"but this plan has {num_cache_blocks} blocks on {device}; make a ForestWorkspace for this cache."
                 )
-        launch_plan(block_table, seq, starts, views, sizes, block_size, grouping, workspace, config, grouping_gate)
+        launch_plan(
+            block_table,
+            seq,
+            starts,
+            views,
+            sizes,
+            block_size,
+            grouping,
+            workspace,
+            config,
+            grouping_gate,
+            leave_ungrouped,
+        )
         return
     requests = torch.arange(num_requests, device=device)
     if grouping is not None:
@@ -338,7 +359,17 @@ def _fill(
         leader = requests.clone()
         prefix = torch.zeros(num_requests, dtype=torch.int64, device=device)
         grouped = torch.zeros(num_requests, dtype=torch.bool, device=device)
-    _fill_torch(views, seq.to(torch.int64), leader, prefix, grouped, sizes, block_size, config.split_granularity)
+    _fill_torch(
+        views,
+        seq.to(torch.int64),
+        leader,
+        prefix,
+        grouped,
+        sizes,
+        block_size,
+        config.split_granularity,
+        leave_ungrouped,
+    )
 
 
 def _build(
@@ -355,6 +386,7 @@ def _build(
     config: ForestKernelConfig,
     workspace: ForestWorkspace | None,
     backend: Backend,
+    leave_ungrouped: bool = False,
 ) -> ForestPlan:
     _check_inputs(block_table, seq_lens, query_start_loc, block_size, max_query_len, queries_per_kv, num_kv_heads)
     device = block_table.device
@@ -375,7 +407,9 @@ def _build(
         config=config,
         workspace=workspace,
         backend=backend,
+        leave_ungrouped=leave_ungrouped,
     )
+    standard_seq_lens = views.pop("standard_seq_lens")
     return ForestPlan(
         block_table=block_table,
         seq_lens=seq,
@@ -390,6 +424,8 @@ def _build(
         max_suffix_work=sizes.max_suffix_work,
         shares=grouping is not None,
         config=config,
+        leaves_ungrouped=leave_ungrouped,
+        standard_seq_lens=standard_seq_lens if leave_ungrouped else None,
         persistent=False,
         scratch=None,
         **views,
@@ -410,6 +446,7 @@ def plan_forest(
     config: ForestKernelConfig | None = None,
     workspace: ForestWorkspace | None = None,
     backend: Backend = "auto",
+    leave_ungrouped: bool = False,
 ) -> ForestPlan:
     """Find the groups of a decode batch and build the work lists of ``forest_decode``.
 
@@ -430,6 +467,9 @@ def plan_forest(
         config: kernel tile and split sizes (defaults to ``default_forest_config``: a rule by batch size).
         workspace: a ``ForestWorkspace`` for this cache, reused every step (made, zeroed, per call when ``None``).
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (CPU builds), or ``"auto"``.
+        leave_ungrouped: ``forest_decode`` attends only the grouped requests; the caller attends the others with its
+            own paged kernel over ``plan.standard_seq_lens`` (their lengths, 0 for grouped requests), before or
+            after the decode (``ForestPlan.leaves_ungrouped``).
 
     Returns:
         A ``ForestPlan`` of device tensors; building it never synchronizes with the host.
@@ -451,6 +491,7 @@ def plan_forest(
         ),
         workspace=workspace,
         backend=backend,
+        leave_ungrouped=leave_ungrouped,
     )
 
 

@@ -167,6 +167,10 @@ class ForestPlan:
     ``combine_ready [N * H_kv]``: per (request, kv head), the attention items done so far in a decode call with
     ``ForestKernelConfig.early_combine``; zero after planning and again after every such call, so the decode calls
     of one plan must run in stream order.
+    ``leaves_ungrouped``: the decode attends only the grouped requests (writes only their rows); the caller attends
+    the others itself, over ``standard_seq_lens [N]`` (int32: a request's length where it is ungrouped, 0 where it is
+    grouped, so a standard paged kernel given these lengths attends exactly the requests this plan leaves out);
+    ``standard_seq_lens`` is ``None`` for a plan that leaves nothing out.
     ``persistent``: the plan of a ``StaticForestPlan``, refilled in place every step (its recorded launches are never
     dropped, since a captured CUDA graph may hold their scratch). ``scratch``: where its decode calls take their
     partial buffers (``None``: each new tensor layout allocates its own).
@@ -201,6 +205,8 @@ class ForestPlan:
     max_suffix_work: int
     shares: bool
     config: ForestKernelConfig = field(default_factory=ForestKernelConfig)
+    leaves_ungrouped: bool = False
+    standard_seq_lens: torch.Tensor | None = None
     persistent: bool = False
     scratch: ForestScratch | None = field(default=None, compare=False, repr=False)
     # The launches of this plan's first decode call per tensor layout, replayed by later layers (forest/_replay.py);

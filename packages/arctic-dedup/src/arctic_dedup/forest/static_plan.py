@@ -59,6 +59,8 @@ class StaticForestPlan:
         grouping_gate: int32 ``[1]`` on ``device``: while it holds 0, ``update`` finds no groups (the same launches,
             so it also switches grouping off in graphs that captured ``update``); plans may share one. A new gate
             holding 1 when ``None``.
+        leave_ungrouped: as in ``plan_forest``: the decode attends only the grouped requests, the caller the others
+            over ``plan.standard_seq_lens`` (refilled by every ``update``).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class StaticForestPlan:
         workspace: ForestWorkspace | None = None,
         scratch: ForestScratch | None = None,
         grouping_gate: torch.Tensor | None = None,
+        leave_ungrouped: bool = False,
     ) -> None:
         device = torch.device(device)
         if grouping_gate is None:
@@ -107,6 +110,9 @@ class StaticForestPlan:
         self._query_start_loc = torch.zeros(num_requests + 1, dtype=torch.int32, device=device)
         self._views = _plan_buffers(num_requests, num_kv_heads, device)
         self._views["combine_ready"].zero_()
+        self._views["standard_seq_lens"].zero_()
+        self.leave_ungrouped = leave_ungrouped
+        plan_views = {name: view for name, view in self._views.items() if name != "standard_seq_lens"}
         self.plan = ForestPlan(
             block_table=self._block_table,
             seq_lens=self._seq_lens,
@@ -121,9 +127,11 @@ class StaticForestPlan:
             max_suffix_work=self._sizes.max_suffix_work,
             shares=True,
             config=config,
+            leaves_ungrouped=leave_ungrouped,
+            standard_seq_lens=self._views["standard_seq_lens"] if leave_ungrouped else None,
             persistent=True,
             scratch=scratch if scratch is not None else ForestScratch(),
-            **self._views,
+            **plan_views,
         )
 
     @property
@@ -191,5 +199,6 @@ class StaticForestPlan:
             workspace=self.workspace,
             backend=backend,
             grouping_gate=self.grouping_gate,
+            leave_ungrouped=self.leave_ungrouped,
         )
         return plan
