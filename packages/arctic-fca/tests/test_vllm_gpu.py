@@ -91,7 +91,8 @@ def test_fca_picks_the_defaults_greedy_tokens_in_float32(engines: dict[str, dict
 def test_fca_bf16_logprobs_are_within_the_defaults_bf16_error(engines: dict[str, dict[str, Any]]) -> None:
     truth = _engine(engines, "default/float32")["forced_logprobs"]
     default, fca = _engine(engines, "default/bfloat16"), _engine(engines, "fca/bfloat16")
-    assert fca["stats"]["grouped_requests"] > 0, fca["stats"]
+    # Both kinds of request: grouped copies (FCA) and prompts asked once (FlashAttention, left out of FCA's plan).
+    assert 0 < fca["stats"]["grouped_requests"] < fca["stats"]["requests"], fca["stats"]
     fca_vs_default = _max_difference(fca["forced_logprobs"], default["forced_logprobs"])
     default_vs_truth = _max_difference(default["forced_logprobs"], truth)
     assert fca_vs_default <= default_vs_truth, (fca_vs_default, default_vs_truth)

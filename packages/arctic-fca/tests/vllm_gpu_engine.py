@@ -26,6 +26,8 @@ from arctic_fca import FcaWorkerExtension
 
 PROMPTS = 4
 COPIES = 4
+# Prompts asked once beside the copies: requests no group takes (FCA's CUSTOM backend leaves them to FlashAttention).
+SINGLES = 2
 PROMPT_TOKENS = 300
 TOKENS = 24
 VOCAB = 1024
@@ -118,7 +120,7 @@ def main(model_dir: str, dtype: str, out: str) -> None:
         seed=0,
         enable_prefix_caching=True,
         max_model_len=PROMPT_TOKENS + TOKENS + 32,
-        max_num_seqs=PROMPTS * COPIES,
+        max_num_seqs=PROMPTS * COPIES + SINGLES,
         gpu_memory_utilization=0.3,
         logits_processors=["vllm_gpu_engine:ForcedTokens"],
         # The forcing reads each request's output list, where async scheduling leaves placeholders.
@@ -133,7 +135,9 @@ def main(model_dir: str, dtype: str, out: str) -> None:
         SamplingParams(max_tokens=1, detokenize=False),
         use_tqdm=False,
     )
+    singles = [_tokens(500 + index, PROMPT_TOKENS, VOCAB) for index in range(SINGLES)]
     requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts for _ in range(COPIES)]
+    requests += [TokensPrompt(prompt_token_ids=prompt) for prompt in singles]
 
     def params(**extra: Any) -> SamplingParams:
         return SamplingParams(
