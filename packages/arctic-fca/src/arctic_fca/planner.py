@@ -2,8 +2,9 @@
 layer of the step, and the step's stats.
 
 On CUDA the plan is built once per step (three small launches over the block table with a workspace kept by the
-planner, never waiting for the device); a step where grouping finds nothing runs each request as one work item of the
-same attention kernel, i.e. arctic's per-request paged decode. On CPU the plan is read on the host (free there) and
+planner, never waiting for the device); a request that no group takes runs as work items of the same attention kernel
+(arctic's per-request paged decode), or, for a planner made with ``leave_ungrouped`` (FCA around FlashAttention), is
+left out of the plan for the standard kernel. On CPU the plan is read on the host (free there) and
 such a step goes to the standard backend. Each batch size vLLM captures in a full CUDA graph gets a
 ``StaticForestPlan`` (see ``arctic_fca.backend``), updated inside the step's forward (``PlanUpdate``): vLLM's graph
 captures the update with the layers, so a replayed step plans on the device and FCA adds no host work to it.
