@@ -321,6 +321,13 @@ def print_summary(summary: dict[str, float], label: str) -> None:
         print(f"  {name:<{width}}  {value:>10}")
 
 
+def _gpu_name() -> str | None:
+    """The first visible GPU's name, or None on a machine without one (the engines then run on the CPU)."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def run_metadata() -> dict[str, Any]:
     """When, where and with what the run happened (commit, CPU count, engine versions)."""
     import os
@@ -328,16 +335,19 @@ def run_metadata() -> dict[str, Any]:
     import subprocess
     from importlib import metadata
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    # A copy of the tree without its git history (the lent GPU machines) names its commit in ARCTIC_COMMIT.
+    commit = os.environ.get("ARCTIC_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip()
+        except OSError:
+            commit = ""
     versions = {}
     for package, distributions in {
         "torch": ("torch",),
@@ -357,6 +367,7 @@ def run_metadata() -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "commit": commit or None,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "gpu": _gpu_name(),
         "versions": versions,
     }
 

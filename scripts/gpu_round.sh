@@ -160,7 +160,7 @@ for stage in "$@"; do
     fca-vllm) run fca_vllm 590 python3 benchmarks/fca_vllm.py --out "$out" --budget-s "${ARCTIC_FCA_VLLM_BUDGET_S:-470}" \
       ${ARCTIC_FCA_VLLM_ARGS:-} ;;
     fca-vllm-quick) run fca_vllm_quick 400 python3 benchmarks/fca_vllm.py --quick --out "$out" --budget-s 300 ;;
-    fca-vllm-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run fca_vllm_tests 300 python3 -m pytest -q -m gpu \
+    fca-vllm-tests) ARCTIC_GPU_TESTS=1 TRITON_INTERPRET=0 run fca_vllm_tests 425 python3 -m pytest -q -m gpu \
       -p no:cacheprovider -rs packages/arctic-fca/tests ;;
     fca-vllm-repeats) run fca_vllm_repeats 590 python3 benchmarks/fca_vllm.py --models 06b --skip-exactness \
       --rows 06b_8x16x4096_t128 --instances 3 --budget-s 470 --out "$out" ${ARCTIC_FCA_VLLM_ARGS:-} ;;

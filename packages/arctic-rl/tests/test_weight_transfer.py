@@ -107,6 +107,20 @@ def test_engine_arguments_on_gpus() -> None:
     assert arguments["weight_transfer_config"] == {"backend": "ipc"}
     assert arguments["enable_sleep_mode"] is True and arguments["gpu_memory_utilization"] == 0.5
     assert "distributed_executor_backend" not in arguments
+    # FCA off: vLLM's default attention backend.
+    assert "attention_config" not in arguments
+
+
+@pytest.mark.parametrize(("dtype", "backend"), [("bfloat16", "CUSTOM"), ("float32", "TRITON_ATTN")])
+def test_engine_arguments_name_fca_s_backend_on_gpus(dtype: str, backend: str) -> None:
+    config = ArcticRLClientConfig(model_name="m", device="cuda", dtype=dtype, fca={"enable": True})
+    assert vllm_engine_arguments(config)["attention_config"] == {"backend": backend}
+    # The user's own choice in engine_args wins; on the CPU FCA needs no name (it wraps vLLM's default there).
+    chosen = ArcticRLClientConfig(
+        model_name="m", device="cuda", fca={"enable": True}, sampling={"engine_args": {"attention_config": {}}}
+    )
+    assert vllm_engine_arguments(chosen)["attention_config"] == {}
+    assert "attention_config" not in vllm_engine_arguments(_cpu_config(fca={"enable": True}))
 
 
 @pytest.mark.parametrize("key", ["logprobs_mode", "weight_transfer_config", "distributed_executor_backend"])

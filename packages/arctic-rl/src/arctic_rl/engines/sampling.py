@@ -64,6 +64,11 @@ def vllm_engine_arguments(config: ArcticRLClientConfig) -> dict[str, Any]:
         arguments["distributed_executor_backend"] = "uni"
     if not on_cpu:
         arguments["gpu_memory_utilization"] = sampling.gpu_memory_utilization
+        if config.fca.enable:
+            # On CUDA vLLM runs FCA only when its backend is named: CUSTOM wraps FlashAttention (bfloat16);
+            # TRITON_ATTN (FCA registers over it) runs float32. On the CPU FCA registers over vLLM's default.
+            dtype = arguments["dtype"]
+            arguments["attention_config"] = {"backend": "CUSTOM" if dtype == "bfloat16" else "TRITON_ATTN"}
         # vLLM refuses sleep mode on the CPU platform; on GPUs colocated engines time-share memory through it.
         arguments["enable_sleep_mode"] = config.colocate
     if sampling.max_model_len is not None:
