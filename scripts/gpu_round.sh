@@ -74,6 +74,9 @@
 #                  both with --merge where no GPU is needed  (~7 min: TRL's 1.7B step is ~163 s on an H100)
 #   main-job       python recipes/grpo_parity.py as a user runs it: on a GPU machine it trains on the GPU, trainer and
 #                  sampler colocated (sleep / wake), ZoRRO and FCA on; its report in $out/main_job  (~3 min)
+#   readme-loop    benchmarks/readme_loop_gpu.py: the README's loop snippet as a user's script, edited for one GPU
+#                  (a random model of ARCTIC_RL_MODEL's layer shape, default 4b: needs the H200's memory; colocated);
+#                  JSON in $out  (not yet run: the model build, ~1 min of engine start, 3 steps)
 # The exit status is that of the last stage that failed (0 when all succeeded).
 set -uo pipefail
 out="${OUT:-benchmarks/results}/r"
@@ -169,6 +172,8 @@ for stage in "$@"; do
     rl-step-trl) run rl_step_trl "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/rl_step_gpu.py \
       --model "${ARCTIC_RL_MODEL:-1.7b}" --variants --steps 2 --out "$out/rl_trl" ;;
     main-job) run main_job "${ARCTIC_RL_LIMIT_S:-590}" python3 recipes/grpo_parity.py --out "$out/main_job" ;;
+    readme-loop) run readme_loop "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/readme_loop_gpu.py \
+      --model "${ARCTIC_RL_MODEL:-4b}" --timeout-s 540 --out "$out" ;;
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
   esac
 done

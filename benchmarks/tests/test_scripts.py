@@ -106,8 +106,14 @@ def test_results_folder_holds_only_latest_results_and_notes() -> None:
     # results/ keeps each benchmark's latest JSON (+ PNG) and its notes; probe outputs, logs and one-off
     # measurements belong in lab/results/.
     assert all(path.is_file() for path in RESULTS.iterdir()), "results/ holds no A/B or Nsight folders"
-    # The benchmark scripts' results, plus what nox's gpu_tests and the recipes (main job, ZoRRO alone) record.
-    benchmarks = {path.stem for path in BENCHMARKS.glob("*.py")} | {"gpu_tests", "rl_step", "zorro_tiny_cpu"}
+    # The benchmark scripts' results, plus what nox's gpu_tests and the recipes (main job on the CPU and on a GPU, ZoRRO
+    # alone) record.
+    benchmarks = {path.stem for path in BENCHMARKS.glob("*.py")} | {
+        "gpu_tests",
+        "rl_step",
+        "main_job_gpu",
+        "zorro_tiny_cpu",
+    }
     strays = [
         path.name
         for path in RESULTS.iterdir()
