@@ -28,6 +28,24 @@ if os.environ.get("ARCTIC_BENCH_NO_PDL") == "1":
 
     _launch.dependent_launches = lambda config, device: False
 
+# The A/B of FlashAttention's share of a CUSTOM step (notes, fifteenth session): ARCTIC_BENCH_FA3_OWN_SCHEDULE=1 has
+# FlashAttention 3 schedule the requests FCA leaves it from their own lengths (scheduler_metadata None: FA3 runs its
+# own prepare kernel inside the call) instead of reusing vLLM's ahead-of-time schedule, made for every request's full
+# length (a request FCA grouped then gets the splits of its whole context, each of which reads nothing).
+if os.environ.get("ARCTIC_BENCH_FA3_OWN_SCHEDULE") == "1":
+    from arctic_fca import forest_step
+
+    _standard_metadata = forest_step.standard_metadata
+
+    def _own_schedule(metadata: Any) -> Any:
+        made_now = getattr(metadata, "fca_standard", None) is None
+        standard = _standard_metadata(metadata)
+        if made_now:
+            standard.scheduler_metadata = None
+        return standard
+
+    forest_step.standard_metadata = _own_schedule
+
 # SamplingParams.extra_args key holding the token ids a request must emit, one per decode step.
 FORCED_TOKENS_KEY = "forced_tokens"
 

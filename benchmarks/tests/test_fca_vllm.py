@@ -210,3 +210,34 @@ def test_forcing_follows_each_request_through_adds_moves_and_removals() -> None:
     assert torch.equal(processor.apply(torch.zeros(3, 10)), torch.zeros(3, 10)), (
         "a finished forcing leaves logits alone"
     )
+
+
+OWN_SCHEDULE_CHECK = """
+import torch
+from types import SimpleNamespace
+import fca_vllm_worker  # applies the A/B patch named by the environment
+from arctic_fca import forest_step
+
+plan = SimpleNamespace(standard_seq_lens=torch.tensor([0, 7]))
+metadata = SimpleNamespace(fca=plan, fca_update=None, seq_lens=torch.tensor([5, 7]), scheduler_metadata=torch.ones(3))
+first = forest_step.standard_metadata(metadata)
+again = forest_step.standard_metadata(metadata)
+print(first is again, first.scheduler_metadata is None, first.seq_lens is plan.standard_seq_lens)
+"""
+
+
+@needs_vllm
+@pytest.mark.parametrize("own", [False, True])
+def test_fa3_own_schedule_ab_drops_only_the_standard_copys_schedule(own: bool) -> None:
+    environment = {**os.environ, "ARCTIC_BENCH_FA3_OWN_SCHEDULE": "1" if own else "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", OWN_SCHEDULE_CHECK],
+        cwd=BENCHMARKS,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["True", str(own), "True"]
