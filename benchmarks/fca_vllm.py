@@ -825,7 +825,7 @@ def metadata(engines: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
         # The host-bound rows' A/B (fca_vllm_worker.py): FCA's kernels launched without dependent launches.
         "fca_dependent_launches_off": os.environ.get("ARCTIC_BENCH_NO_PDL") == "1",
         # FlashAttention's share of a CUSTOM step scheduled from its own lengths (fca_vllm_worker.py).
-        "fca_fa3_own_schedule": os.environ.get("ARCTIC_BENCH_FA3_OWN_SCHEDULE") == "1",
+        "fca_fa3_own_schedule": os.environ.get("ARCTIC_BENCH_FA3_OWN_SCHEDULE", "0"),
         "method": (
             "bf16, prefix caching, greedy, max_tokens=min_tokens=T, ignore_eos; vLLM's default CUDA-graph mode with "
             "capture sizes = the rows' batch sizes; prompts prefilled first; timed: one "

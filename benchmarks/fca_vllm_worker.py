@@ -31,8 +31,10 @@ if os.environ.get("ARCTIC_BENCH_NO_PDL") == "1":
 # The A/B of FlashAttention's share of a CUSTOM step (notes, fifteenth session): ARCTIC_BENCH_FA3_OWN_SCHEDULE=1 has
 # FlashAttention 3 schedule the requests FCA leaves it from their own lengths (scheduler_metadata None: FA3 runs its
 # own prepare kernel inside the call) instead of reusing vLLM's ahead-of-time schedule, made for every request's full
-# length (a request FCA grouped then gets the splits of its whole context, each of which reads nothing).
-if os.environ.get("ARCTIC_BENCH_FA3_OWN_SCHEDULE") == "1":
+# length (a request FCA grouped then gets the splits of its whole context, each of which reads nothing);
+# ARCTIC_BENCH_FA3_OWN_SCHEDULE=nosplit also caps it at one split per request (no split-KV, no combine).
+_FA3_SCHEDULE = os.environ.get("ARCTIC_BENCH_FA3_OWN_SCHEDULE", "0")
+if _FA3_SCHEDULE in ("1", "nosplit"):
     from arctic_fca import forest_step
 
     _standard_metadata = forest_step.standard_metadata
@@ -42,6 +44,8 @@ if os.environ.get("ARCTIC_BENCH_FA3_OWN_SCHEDULE") == "1":
         standard = _standard_metadata(metadata)
         if made_now:
             standard.scheduler_metadata = None
+            if _FA3_SCHEDULE == "nosplit":
+                standard.max_num_splits = 1
         return standard
 
     forest_step.standard_metadata = _own_schedule

@@ -65,7 +65,8 @@
 #                  backends differ there (~70 s an engine, ~7 min); ARCTIC_FCA_VLLM_ARGS="--rows
 #                  06b_noshare_128x1x8192_t128" for the no-sharing row instead; ARCTIC_BENCH_NO_PDL=1 launches FCA's
 #                  kernels without dependent launches; ARCTIC_BENCH_FA3_OWN_SCHEDULE=1 lets FlashAttention schedule
-#                  the requests FCA leaves it from their own lengths (compare the rows' attention GPU ms)
+#                  the requests FCA leaves it from their own lengths (=nosplit: also one split per request; compare
+#                  the rows' attention GPU ms)
 # Stages of the RL stack (after vLLM's carry and scripts/unpack_carry.sh .carry/rl/calls/00, which installs Ray,
 # DeepSpeed, TRL and the four packages into /tmp/site):
 #   rl-step        benchmarks/rl_step_gpu.py, our side: ARCTIC_RL_MODEL (default 1.7b, the shape an 80 GB card
