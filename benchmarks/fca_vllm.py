@@ -329,31 +329,44 @@ def time_row(llm: Any, spec: EngineSpec, row: Row) -> dict[str, Any]:
     return result
 
 
-def profile_split(llm: Any, requests: list[Any], tokens: int, ms_per_step: float) -> dict[str, Any]:
-    """Device time per step in attention kernels and the rest, over ``tokens`` profiled decode steps; host is the
-    rest of the timed call's step."""
+def _profiled_call(llm: Any, requests: list[Any], tokens: int) -> dict[str, Any]:
+    llm.collective_rpc("bench_profile_start")
     try:
-        llm.collective_rpc("bench_profile_start")
-        try:
-            _generate(llm, requests, _greedy(tokens))
-        finally:
-            (profile, *_) = llm.collective_rpc("bench_profile_stop")
+        _generate(llm, requests, _greedy(tokens))
+    finally:
+        (profile, *_) = llm.collective_rpc("bench_profile_stop")
+    return profile  # type: ignore[no-any-return]
+
+
+def profile_split(llm: Any, requests: list[Any], tokens: int, ms_per_step: float) -> dict[str, Any]:
+    """Device time per decode step in attention kernels and the rest; host is the rest of the timed call's step.
+
+    A call's first step is no decode step: the prompts are cached up to their last full block, so it recomputes the
+    rest of every prompt (the standard backend, several query tokens a request). The split is therefore the profile of
+    a ``tokens``-token call minus that of a 1-token call (its first step alone), over ``tokens - 1`` decode steps.
+    """
+    try:
+        first = _profiled_call(llm, requests, 1)
+        profile = _profiled_call(llm, requests, tokens)
     except Exception as error:  # the split is a diagnosis: report why it is missing, keep the timing
         return {"error": f"{type(error).__name__}: {error}"}
-    attention_ms = profile["attention_us"] / tokens / 1000.0
-    rest_ms = profile["rest_us"] / tokens / 1000.0
+    steps = max(tokens - 1, 1)
+    attention_ms = max(profile["attention_us"] - first["attention_us"], 0.0) / steps / 1000.0
+    rest_ms = max(profile["rest_us"] - first["rest_us"], 0.0) / steps / 1000.0
+    calls, first_calls = profile.get("runtime_calls") or {}, first.get("runtime_calls") or {}
     return {
         "attention_ms": attention_ms,
         "rest_ms": rest_ms,
         "host_ms": ms_per_step - attention_ms - rest_ms,
-        "profiled_steps": tokens,
+        "profiled_steps": steps,
+        "method": f"profile of a {tokens}-token call minus a 1-token call (the first, prompt-recompute step)",
+        "first_step_attention_ms": first["attention_us"] / 1000.0,
+        "first_step_rest_ms": first["rest_us"] / 1000.0,
         "top": profile["top"],
         "measured_on": profile["device"],
-        # Host events (name, self microseconds, count) over the profiled steps, and runtime calls per step.
+        # Host events (name, self microseconds, count) of the whole profiled call, and runtime calls per decode step.
         "host_top": profile.get("host_top"),
-        "runtime_calls_per_step": {
-            name: count / tokens for name, count in (profile.get("runtime_calls") or {}).items()
-        },
+        "runtime_calls_per_step": {name: (count - first_calls.get(name, 0)) / steps for name, count in calls.items()},
     }
 
 
@@ -468,7 +481,7 @@ def plan_engines(args: argparse.Namespace, work: Path) -> list[EngineSpec]:
             "model": model,
             "model_dir": model_dir,
             "smoke": args.cpu_smoke,
-            "profile_tokens": 2 if args.cpu_smoke else 8,
+            "profile_tokens": 4 if args.cpu_smoke else 8,
         }
         if model_rows and not args.exactness_only:
             # Alternating (default, FCA, default, ...): an engine instance's host time per step is its own, so a row
@@ -830,7 +843,8 @@ def metadata(engines: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
             "bf16, prefix caching, greedy, max_tokens=min_tokens=T, ignore_eos; vLLM's default CUDA-graph mode with "
             "capture sizes = the rows' batch sizes; prompts prefilled first; timed: one "
             "generate of T tokens with every prompt cached; first_call_extra_s: first minus second of two "
-            "min(T,16)-token calls; split: torch.profiler device time over a few steps in the worker, host = step "
+            "min(T,16)-token calls; split: torch.profiler device time per decode step in the worker (an N-token call "
+            "minus a 1-token call, whose only step recomputes the prompts' last partial block), host = step "
             "minus device time; exactness engines enforce_eager with a forcing logits processor (vLLM's V1 runner)"
         ),
     }

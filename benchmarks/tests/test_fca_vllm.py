@@ -90,7 +90,7 @@ def test_an_engine_in_its_own_process_reports_its_rows(tmp_path: Path, monkeypat
     model_dir = fca_vllm.write_model_dir(tmp_path / "tiny", fca_vllm.MODELS["tiny"], 512)
     row = fca_vllm.SMOKE_ROWS[0]
     spec = fca_vllm.EngineSpec(
-        "timing", "tiny", "default", "bfloat16", str(model_dir), rows=(row,), smoke=True, profile_tokens=2
+        "timing", "tiny", "default", "bfloat16", str(model_dir), rows=(row,), smoke=True, profile_tokens=4
     )
     result = fca_vllm.run_child(spec, timeout_s=600)
     assert "error" not in result, result
