@@ -105,11 +105,8 @@ def run_forest(
     value_cache: torch.Tensor,
     metadata: Any,
     output: torch.Tensor,
-) -> bool:
-    """Run forest decode into ``output``; False (nothing written) when this layer's tensors do not fit the plan
-    (``forest_fits``)."""
-    if not forest_fits(query, key_cache, output):
-        return False
+) -> None:
+    """Run forest decode into ``output`` (for a layer whose tensors fit the plan: ``forest_fits``)."""
     num_tokens = metadata.num_actual_tokens
     forest_decode(
         query[:num_tokens],
@@ -120,7 +117,6 @@ def run_forest(
         out=output[:num_tokens],
         backend="auto",
     )
-    return True
 
 
 class ForestMetadataBuilder(AttentionMetadataBuilder):
