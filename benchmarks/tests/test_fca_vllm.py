@@ -169,6 +169,9 @@ def test_several_engine_instances_alternate_and_a_row_reports_the_median_engine(
     assert single["speedup"] == pytest.approx(6.0 / 7.3) and "speedup_runs" not in single
     with pytest.raises(SystemExit):
         fca_vllm.parse_args(["--instances", "0"])
+    # --backends fca: FCA's timing engines alone (an A/B of FCA's settings measures the default engine once).
+    only_fca = fca_vllm.parse_args(["--models", "06b", "--rows", name, "--skip-exactness", "--backends", "fca"])
+    assert [spec.key for spec in fca_vllm.plan_engines(only_fca, tmp_path)] == ["timing/06b/fca/bfloat16"]
 
 
 def test_an_engine_past_its_time_limit_is_ended_and_reported(tmp_path: Path) -> None:
