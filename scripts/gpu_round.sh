@@ -79,6 +79,9 @@
 #                  both with --merge where no GPU is needed  (~7 min: TRL's 1.7B step is ~163 s on an H100)
 #   main-job       python recipes/grpo_parity.py as a user runs it: on a GPU machine it trains on the GPU, trainer and
 #                  sampler colocated (sleep / wake), ZoRRO and FCA on; its report in $out/main_job  (~3 min)
+#   main-job-repeats  the main job at seed 0 with FCA and with --no-fca, and at seed 1 with FCA (does FCA decide
+#                  whether the GPU run learns? one run with FCA collapsed at 0.5, sixteenth session);
+#                  $out/main_job_seed*  (~3 x 2.5 min)
 #   readme-loop    benchmarks/readme_loop_gpu.py: the README's loop snippet as a user's script, edited for one GPU
 #                  (a random model of ARCTIC_RL_MODEL's layer shape, default 4b: needs the H200's memory; colocated);
 #                  JSON in $out  (not yet run: the model build, ~1 min of engine start, 3 steps)
@@ -181,7 +184,12 @@ for stage in "$@"; do
       --variants ${ARCTIC_RL_VARIANTS:-colocated colocated_trainer_awake} --steps 3 --trl-python '' --out "$out/rl_ours" ;;
     rl-step-trl) run rl_step_trl "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/rl_step_gpu.py \
       --model "${ARCTIC_RL_MODEL:-1.7b}" --variants --steps 2 --out "$out/rl_trl" ;;
-    main-job) run main_job "${ARCTIC_RL_LIMIT_S:-590}" python3 recipes/grpo_parity.py --out "$out/main_job" ;;
+    main-job) run main_job "${ARCTIC_RL_LIMIT_S:-590}" python3 recipes/grpo_parity.py --out "$out/main_job" \
+      ${ARCTIC_MAIN_JOB_ARGS:-} ;;
+    main-job-repeats) for args in "--seed 0" "--seed 0 --no-fca" "--seed 1"; do
+        name="main_job_$(echo "$args" | tr -d ' -')"
+        run "$name" 170 python3 recipes/grpo_parity.py $args --out "$out/$name"
+      done ;;
     readme-loop) run readme_loop "${ARCTIC_RL_LIMIT_S:-590}" python3 benchmarks/readme_loop_gpu.py \
       --model "${ARCTIC_RL_MODEL:-4b}" --timeout-s 540 --out "$out" ;;
     *) echo "unknown stage $stage (see the header of $0)"; exit 2 ;;
