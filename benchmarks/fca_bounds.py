@@ -37,7 +37,11 @@ def _cases(source: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def best_read_rate_tbps(cases: dict[str, dict[str, Any]]) -> float:
     """The per-request kernel on the no-sharing batch: every byte from DRAM once, no L2 reuse between requests."""
-    no_share = cases["no_share_128x8704"]
+    return read_rate_tbps(cases["no_share_128x8704"])
+
+
+def read_rate_tbps(no_share: dict[str, Any]) -> float:
+    """The fastest pass over a no-sharing case's row of ``fca_decode.json`` (whole op or kernels alone), in TB/s."""
     fastest = min(no_share["paged_us"], no_share["paged_kernels_us"], no_share["forest_kernels_us"])
     # MB per microsecond is TB per second.
     return float(no_share["unique_MB"]) / fastest
