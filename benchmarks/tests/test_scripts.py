@@ -167,6 +167,14 @@ def test_goal_bounds_from_the_committed_main_benchmark(tmp_path: Path) -> None:
     no_share = next(row for row in source["rows"] if row.get("case") == "no_share_128x8704")
     fastest_us = min(no_share[key] for key in ("paged_us", "paged_kernels_us", "forest_kernels_us"))
     assert result["summary"]["best_read_tbps"] == pytest.approx(no_share["unique_MB"] / fastest_us)
+    # The kernel goal's key (>= 0.90 of the read-rate bound at RL-8x16, plan once per step) against the same bound.
+    rl_rates = [row["unique_tbps_amortized"] for row in source["rows"] if row.get("case", "").startswith("rl8x16_")]
+    assert len(rl_rates) == 2 and source["summary"]["best_read_tbps"] == pytest.approx(
+        result["summary"]["best_read_tbps"]
+    )
+    assert source["summary"]["rl8x16_bound_fraction"] == pytest.approx(
+        min(rl_rates) / result["summary"]["best_read_tbps"]
+    )
     for row in result["rows"]:
         # A verdict of "met" is exactly a measured time within the goal's.
         assert (row["verdict"] == "met") == (row["measured_us"] <= row["goal_us"]), row
