@@ -671,9 +671,7 @@ def main() -> None:
         "rl8x16_plan_us": max(value(adjacent, "plan_us"), value(shuffled, "plan_us")),
         # RL-8x16's unique bytes over its time with the plan once per step (as vLLM runs it), as a fraction of the
         # read-rate bound (goal >= 0.90).
-        "rl8x16_bound_fraction": min(
-            value(adjacent, "unique_tbps_amortized"), value(shuffled, "unique_tbps_amortized")
-        )
+        "rl8x16_bound_fraction": min(value(adjacent, "unique_tbps_amortized"), value(shuffled, "unique_tbps_amortized"))
         / best_read_tbps,
         "best_read_tbps": best_read_tbps,
         # One layer's forest_decode issued eagerly with the step's plan: host time per call (goal <= 25 us).
