@@ -495,7 +495,6 @@ def plan_engines(args: argparse.Namespace, work: Path) -> list[EngineSpec]:
             "model": model,
             "model_dir": model_dir,
             "smoke": args.cpu_smoke,
-            "profile_tokens": 8,
         }
         if model_rows and not args.exactness_only:
             # Alternating (default, FCA, default, ...): an engine instance's host time per step is its own, so a row
