@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 from common import default_out_dir, print_table, run_metadata
-from grpo_parity import GPU_MODEL, RunSettings, client_config, make_prompts, visible_gpus
+from grpo_parity import GPU_MODEL, GPU_MODEL_LR, RunSettings, client_config, make_prompts, visible_gpus
 
 NAME = "vs_trl"
 BENCHMARKS = Path(__file__).resolve().parent
@@ -56,7 +56,7 @@ SIDES: tuple[str, ...] = ("ours", "trl")
 REGIMES: tuple[str, ...] = ("tiny", "shared_prompts")
 # Long prompts that every sample of a group shares: filler bytes (one token each) before the question.
 SHARED_PROMPT_PADDING = 512
-SHARED_PROMPT_STEPS = 12
+SHARED_PROMPT_STEPS = 30  # at the wider model's learning rate it needs 20-30 steps to learn (lab lr sweep)
 # 2 prompts x 16 samples: 32 trajectories a step, as many as the tiny regime's 4 x 8.
 SHARED_PROMPT_SETTINGS: dict[str, int] = {"prompts_per_step": 2, "group": 16, "prompt_padding": SHARED_PROMPT_PADDING}
 
@@ -68,7 +68,7 @@ def regime_settings(regime: str, steps: int | None = None, *, fca: bool = True) 
         return replace(RunSettings(), fca=fca, **({} if steps is None else {"steps": steps})), {}
     if regime == "shared_prompts":
         settings = replace(RunSettings(), fca=fca, steps=SHARED_PROMPT_STEPS if steps is None else steps)
-        return replace(settings, **SHARED_PROMPT_SETTINGS), dict(GPU_MODEL)
+        return replace(settings, lr=GPU_MODEL_LR, **SHARED_PROMPT_SETTINGS), dict(GPU_MODEL)
     raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}.")
 
 

@@ -12,6 +12,7 @@ and takes one GRPO step.
     python recipes/grpo_parity.py                  # about a minute on 2 CPU cores
     python recipes/grpo_parity.py --steps 10 --out /tmp/run
     python recipes/grpo_parity.py --compare-zorro  # the same run with ZoRRO off too: trajectories/s on vs off
+    python recipes/grpo_parity.py --model gpu      # the GPU machine's wider model, here on the CPU (slower)
 
 Writes ``metrics.json`` (every step's reward, times and savings, and the summary) and, when matplotlib is
 installed, ``grpo_parity.png`` (reward curve and per-step time split) to ``--out``.
@@ -44,7 +45,7 @@ class RunSettings:
     group: int = 8
     max_tokens: int = 12
     temperature: float = 1.0
-    lr: float = 1e-2
+    lr: float = 1e-2  # the tiny model's; the GPU's wider model learns at GPU_MODEL_LR
     seed: int = 0
     zorro: bool = True
     fca: bool = True
@@ -102,6 +103,24 @@ GPU_MODEL: dict[str, int] = {
     "num_key_value_heads": 2,
     "head_dim": 64,
 }
+
+
+# The wider model's learning rate. At the tiny model's 1e-2 it collapses in most runs: within ~10 steps every sample
+# of a prompt gives the same answer (bytes of one parity whatever the prompt asks: reward 0.5), the group's advantages
+# are all 0 and learning stops for good (3 of 4 seeds on the CPU in float32, the same with and without FCA; the H100
+# run of 2026-12-07). At 3e-3 no run collapses: 4 of 4 seeds learn in float32, 3 of 4 in bfloat16 (the fourth at 0.67
+# after 40 steps), on the CPU (benchmarks/lab/results/main_job_gpu_model_lr_sweep_cpu.json).
+GPU_MODEL_LR = 3e-3
+MODEL_SHAPES: tuple[str, ...] = ("auto", "tiny", "gpu")
+
+
+def model_shape(choice: str) -> dict[str, int]:
+    """``save_tiny_qwen3`` overrides for ``--model``: ``auto`` is ``gpu`` on a machine with a GPU, else ``tiny``."""
+    if choice not in MODEL_SHAPES:
+        raise ValueError(f"--model must be one of {MODEL_SHAPES}, got {choice!r}.")
+    if choice == "auto":
+        choice = "gpu" if visible_gpus() else "tiny"
+    return dict(GPU_MODEL) if choice == "gpu" else {}
 
 
 # vLLM's CPU build stores the KV cache in 128-token blocks by default, longer than any prompt here, so a prompt's
@@ -379,7 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
     parser.add_argument("--group", type=int, default=defaults.group, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument(
+        "--model",
+        choices=MODEL_SHAPES,
+        default="auto",
+        help="tiny: 2 layers of width 64; gpu: 4 layers of width 256; auto: gpu where a GPU is visible, else tiny",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=None, help=f"default: {defaults.lr:g} for the tiny model, {GPU_MODEL_LR:g} for gpu"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--no-fca", action="store_true", help="sample without Forest Cascade Attention")
     parser.add_argument("--compare-zorro", action="store_true", help="run again with ZoRRO off (same seeds)")
@@ -389,22 +416,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the summary compares the first and last steps).")
 
-    from arctic_rl.testing import save_tiny_qwen3
+    from arctic_rl.testing import TINY_QWEN3, save_tiny_qwen3
 
+    shape = model_shape(args.model)
     settings = RunSettings(
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
         group=args.group,
         max_tokens=args.max_tokens,
-        lr=args.lr,
+        lr=args.lr if args.lr is not None else (GPU_MODEL_LR if shape else defaults.lr),
         seed=args.seed,
         fca=not args.no_fca,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     window = max(1, min(5, args.steps // 4))
-    results: dict[str, Any] = {"meta": run_metadata(), "settings": asdict(settings)}
+    results: dict[str, Any] = {
+        "meta": run_metadata(),
+        "settings": asdict(settings),
+        "model": {"shape": "gpu" if shape else "tiny", **TINY_QWEN3, **shape},
+    }
     with tempfile.TemporaryDirectory() as scratch:
-        shape = GPU_MODEL if visible_gpus() else {}
         model_dir = str(save_tiny_qwen3(Path(scratch) / "tiny-qwen3", seed=settings.seed, **shape))
         variants = [settings] + ([RunSettings(**{**asdict(settings), "zorro": False})] if args.compare_zorro else [])
         for variant in variants:
@@ -433,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(
             [StepRecord(**record) for record in on["steps"]],
             written[1],
-            f"GRPO, tiny Qwen3 on the CPU: reward {on['summary']['reward_first']:.2f} -> "
+            f"GRPO, {'Qwen3 of 4 layers, width 256' if shape else 'tiny Qwen3'} on {_gpu_name() or 'the CPU'}: "
+            f"reward {on['summary']['reward_first']:.2f} -> "
             f"{on['summary']['reward_last']:.2f} in {len(on['steps'])} steps",
         )
     print(f"\nwrote {' and '.join(str(path) for path in written)}")

@@ -79,9 +79,9 @@
 #                  both with --merge where no GPU is needed  (~7 min: TRL's 1.7B step is ~163 s on an H100)
 #   main-job       python recipes/grpo_parity.py as a user runs it: on a GPU machine it trains on the GPU, trainer and
 #                  sampler colocated (sleep / wake), ZoRRO and FCA on; its report in $out/main_job  (~3 min)
-#   main-job-repeats  the main job at seed 0 with FCA and with --no-fca, and at seed 1 with FCA (does FCA decide
-#                  whether the GPU run learns? one run with FCA collapsed at 0.5, sixteenth session);
-#                  $out/main_job_seed*  (~3 x 2.5 min)
+#   main-job-repeats  the main job at seed 0 with FCA and with --no-fca, and at seed 1 with FCA: does the wider
+#                  model learn on the GPU at its learning rate (3e-3; at 1e-2 it collapsed at 0.5 on the H100 and in 3
+#                  of 4 CPU seeds with and without FCA)?  $out/main_job_seed*  (~3 x 2.5 min)
 #   readme-loop    benchmarks/readme_loop_gpu.py: the README's loop snippet as a user's script, edited for one GPU
 #                  (a random model of ARCTIC_RL_MODEL's layer shape, default 4b: needs the H200's memory; colocated);
 #                  JSON in $out  (not yet run: the model build, ~1 min of engine start, 3 steps)

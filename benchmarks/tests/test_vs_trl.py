@@ -119,8 +119,10 @@ def test_the_shared_prompt_regime_shares_long_prompts_on_a_wider_model() -> None
     assert settings.prompts_per_step * settings.group == tiny.prompts_per_step * tiny.group
     assert settings.group == 16 and settings.prompt_padding >= 512
     assert shape["hidden_size"] >= 256 and shape["num_hidden_layers"] >= 4
-    # Everything else (optimizer, loss, response length, steps' seeds) stays the main job's.
-    assert replace(settings, prompts_per_step=4, group=8, prompt_padding=0, steps=tiny.steps) == tiny
+    # The wider model trains at the learning rate the main job gives it (it collapses at the tiny model's);
+    # everything else (optimizer, loss, response length, steps' seeds) stays the main job's.
+    assert settings.lr == vs_trl.GPU_MODEL_LR < tiny.lr
+    assert replace(settings, prompts_per_step=4, group=8, prompt_padding=0, steps=tiny.steps, lr=tiny.lr) == tiny
     prompts = vs_trl.step_prompts(replace(settings, steps=2))
     assert len(prompts) == 2 * settings.prompts_per_step
     # One byte is one token of the byte tokenizer: each prompt is padding + its ~35-byte question.

@@ -172,3 +172,42 @@ def test_the_summary_reports_fcas_share_of_the_decode_steps() -> None:
     assert summary["fca_steps_grouped_share"] == pytest.approx(0.75)
     assert summary["fca_requests_grouped_share"] == pytest.approx(0.25)
     assert "fca_decode_steps" not in summarize(records[:1], window=1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "gpu_visible", "layers", "lr"),
+    [
+        ([], False, 2, 1e-2),
+        ([], True, 4, 3e-3),
+        (["--model", "gpu"], False, 4, 3e-3),
+        (["--model", "tiny"], True, 2, 1e-2),
+        (["--model", "gpu", "--lr", "5e-4"], False, 4, 5e-4),
+    ],
+    ids=["cpu-default", "gpu-default", "gpu-model-on-cpu", "tiny-model-on-gpu", "explicit-lr"],
+)
+def test_the_model_shape_brings_its_learning_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], gpu_visible: bool, layers: int, lr: float
+) -> None:
+    # The wider model collapses at the tiny model's learning rate (GPU_MODEL_LR's comment): the run must get the
+    # learning rate that goes with the model it trains, and the written results must say which model that was.
+    pytest.importorskip("transformers")
+    import grpo_parity
+    from transformers import AutoConfig
+
+    seen: dict[str, object] = {}
+
+    def fake_run(settings: object, model_dir: str, **_: object) -> list[StepRecord]:
+        seen["settings"], seen["layers"] = settings, AutoConfig.from_pretrained(model_dir).num_hidden_layers
+        return [_record(step, 0.5) for step in range(4)]
+
+    monkeypatch.setattr(grpo_parity, "run", fake_run)
+    monkeypatch.setattr(grpo_parity, "visible_gpus", lambda: 1 if gpu_visible else 0)
+    monkeypatch.setattr(grpo_parity, "_gpu_name", lambda: "a GPU" if gpu_visible else None)
+    out = tmp_path / "run"
+    assert grpo_parity.main([*argv, "--steps", "4", "--out", str(out)]) == 0
+    assert seen["layers"] == layers
+    assert seen["settings"].lr == pytest.approx(lr)  # type: ignore[attr-defined]
+    written = json.loads((out / "metrics.json").read_text())
+    assert written["settings"]["lr"] == pytest.approx(lr)
+    assert written["model"]["num_hidden_layers"] == layers
+    assert written["model"]["shape"] == ("gpu" if layers == 4 else "tiny")
