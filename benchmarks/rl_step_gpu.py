@@ -15,8 +15,11 @@ Our variants (each a fresh client; ``--steps`` steps, the first one warm-up):
 
 - ``colocated``: trainer and sampler time-share the GPU: generate -> ``sleep_inference(2)`` (the sampler's weights
   are discarded, not copied out: the sync overwrites them) -> ``wake_training`` -> ``train_step`` (old log-probs from
-  the training forward: one update per batch) -> ``wake_inference`` -> ``sync_weights`` (CUDA IPC) ->
-  ``sleep_training``. ZoRRO and FCA on (``colocated``) and off (``colocated_no_dedup``).
+  the training forward: one update per batch) -> ``empty_training_cache`` -> ``wake_inference(["weights"])`` ->
+  ``sync_weights`` (CUDA IPC) -> ``sleep_training`` -> ``wake_inference(["kv_cache"])``: the KV cache never sits
+  beside the trainer's state, so the peak is the trainer's own (state + activations) plus the sampler's bf16 weights
+  (the 4B shape's ~68 GiB of ZeRO-2 state may fit an 80 GB card so). ZoRRO and FCA on (``colocated``) and off
+  (``colocated_no_dedup``).
 - ``colocated_trainer_awake``: only the sampler sleeps (level 2) while the trainer, whose state stays on the GPU,
   trains: generate -> ``sleep_inference(2)`` -> ``train_step`` -> ``empty_training_cache`` -> ``wake_inference`` ->
   ``sync_weights``. Fits when the trainer's state and vLLM's share of the card fit together (the 1.7B shape on 80 GB).
@@ -54,7 +57,7 @@ hjson and pydantic, TRL 1.16 with accelerate and datasets, and this repository's
         --trl-python ''                                      # ours, H100
     python benchmarks/rl_step_gpu.py --model 1.7b --variants --steps 2    # TRL's side (~163 s a step on an H100)
     python benchmarks/rl_step_gpu.py --merge A/rl_step_gpu.json B/rl_step_gpu.json --out benchmarks/results
-    python benchmarks/rl_step_gpu.py --cpu-smoke             # CPU, tiny model, one split variant: checks the script
+    python benchmarks/rl_step_gpu.py --cpu-smoke             # CPU, tiny model, split and colocated: checks the script
 """
 
 from __future__ import annotations
@@ -116,10 +119,13 @@ VARIANTS: dict[str, Variant] = {
 # The summary's headline: the fastest of these that ran (each time-shares the GPU; which one fits depends on the card).
 HEADLINE_CANDIDATES: tuple[str, ...] = ("colocated", "colocated_trainer_awake")
 SAMPLER_SLEEP_LEVEL = 2
-# The CPU build of vLLM refuses sleep mode: the smoke run checks the split path with and without dedup.
+# The smoke run checks the split path with and without dedup, and the colocated order of calls: the CPU build of
+# vLLM refuses sleep mode, but the engines' sleep states (and the trainer's offload) still run there, so an order the
+# service or the engines refuse fails here too.
 SMOKE_VARIANTS: dict[str, Variant] = {
     "split": Variant("split", dedup=True, colocated_sleep=False),
     "split_no_dedup": Variant("split_no_dedup", dedup=False, colocated_sleep=False),
+    "colocated": VARIANTS["colocated"],
 }
 
 
@@ -332,15 +338,16 @@ def run_ours(model_dir: str, shape: StepShape, variant: Variant, settings: RunSe
                 trained = client.train_step(batch, processing, old_log_probs_from_forward=True)
                 seconds["train"] = time.perf_counter() - clock
                 clock = time.perf_counter()
-                if not variant.trainer_sleeps:
-                    # The activations' cached blocks go back to the device before vLLM maps its memory again.
-                    client.empty_training_cache()
-                client.wake_inference()
+                # The activations' cached blocks go back to the device before vLLM maps its memory again.
+                client.empty_training_cache()
+                # A sleeping trainer leaves the GPU before the KV cache comes back: only the weights wake for the sync.
+                client.wake_inference(["weights"] if variant.trainer_sleeps else None)
                 seconds["sleep_wake"] += time.perf_counter() - clock
                 seconds["sync"] = client.sync_weights()["time_s"]
                 if variant.trainer_sleeps:
                     clock = time.perf_counter()
                     client.sleep_training()
+                    client.wake_inference(["kv_cache"])
                     seconds["sleep_wake"] += time.perf_counter() - clock
             else:
                 clock = time.perf_counter()
@@ -564,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl and vLLM ('' skips TRL)")
-    parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, split variants, no TRL: checks")
+    parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, smoke variants, no TRL: checks")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.merge:

@@ -74,8 +74,9 @@ def test_cpu_smoke_runs_each_phase_through_the_engines(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "rl_step_gpu.json").read_text())
     assert result["meta"]["note"].startswith("CPU smoke run")
-    assert result["runs"].keys() == {"split", "split_no_dedup"}, result["runs"]
-    for side in ("split", "split_no_dedup"):
+    assert result["runs"].keys() == {"split", "split_no_dedup", "colocated"}, result["runs"]
+    assert all("error" not in run for run in result["runs"].values()), result["runs"]
+    for side in ("split", "split_no_dedup", "colocated"):
         rows = [row for row in result["rows"] if row["side"] == side]
         assert [row["step"] for row in rows] == [0, 1], result["runs"]
         for row in rows:
@@ -83,10 +84,13 @@ def test_cpu_smoke_runs_each_phase_through_the_engines(tmp_path: Path) -> None:
             assert row["phases"]["generate"] > 0 and row["phases"]["train"] > 0 and row["phases"]["sync"] > 0
             assert row["trajectories"] == 8 and row["response_tokens"] == 8 * 8
     # ZoRRO ran each prompt once for its 4 samples in the dedup run, never in the other.
-    assert all(row["zorro_savings"] > 0.5 for row in result["rows"] if row["side"] == "split")
+    assert all(row["zorro_savings"] > 0.5 for row in result["rows"] if row["side"] in ("split", "colocated"))
+    # The colocated order's sleeps and wakes ran (and are counted as such), the split runs have none.
+    assert all(row["phases"]["sleep_wake"] > 0 for row in result["rows"] if row["side"] == "colocated")
+    assert all(row["phases"]["sleep_wake"] == 0 for row in result["rows"] if row["side"] != "colocated")
     assert all(row["zorro_savings"] == 0 for row in result["rows"] if row["side"] == "split_no_dedup")
     summary = result["summary"]
-    assert summary["headline_variant"] == "split" and 0 < summary["sync_and_sleep_share"] < 1
+    assert summary["headline_variant"] == "colocated" and 0 < summary["sync_and_sleep_share"] < 1
     assert summary["ideal_fraction"] > 0 and "vs_trl_speedup" not in summary
     assert (tmp_path / "rl_step_gpu.png").stat().st_size > 10_000
 

@@ -189,8 +189,13 @@ def grpo_step(client: SyncArcticRLClient, step: int, *, colocated: bool) -> Step
     reply = client.fwd_bwd(batch, processing=processing)
     stepped = client.step()
     if colocated:
-        client.wake_inference()
-    client.sync_weights()
+        # vLLM's colocated order: the weights wake first and take the update, the KV cache after it (never beside
+        # the trainer's state).
+        client.wake_inference(["weights"])
+        client.sync_weights()
+        client.wake_inference(["kv_cache"])
+    else:
+        client.sync_weights()
     assert_sampler_matches_trainer(client)
     metrics = stepped["metrics"]
     # The trainer scored the sampler's own tokens with the sampler's weights: no train/inference mismatch in fp32.

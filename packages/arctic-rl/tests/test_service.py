@@ -224,6 +224,31 @@ def test_train_step_is_fwd_bwd_step_and_sync_in_one_call(local_ray: None) -> Non
 
 
 @pytest.mark.slow
+def test_a_colocated_step_syncs_into_the_samplers_weights_before_their_kv_cache_wakes(local_ray: None) -> None:
+    # vLLM's order for colocated training: wake the weights, update them, then wake the KV cache, so the KV cache
+    # never takes its memory beside the trainer's state. The service must let the sync through in between and keep
+    # sampling refused until the KV cache is back.
+    with start(make_config()) as client:
+        prompts = [[1, 2, 3], [4, 5]]
+        samples = client.generate(prompts, {"n": 2, "max_tokens": 3, "seed": 1})
+        batch = grpo_batch(prompts, samples, torch.rand(2, 2, dtype=torch.float64))
+        client.sleep_inference(2)
+        with pytest.raises(EngineStateError, match=r"wake_inference\(\['weights'\]\)"):
+            client.sync_weights()
+        client.wake_inference(["weights"])
+        result = client.train_step(batch, old_log_probs_from_forward=True, sync_weights=True)
+        assert result["sync_weights"] is not None and result["step"]["step"] == 1
+        with pytest.raises(EngineStateError, match=r"kv_cache still sleep.*wake_inference\(\['kv_cache'\]\)"):
+            client.generate(prompts, {"n": 1})
+        client.wake_inference(["kv_cache"])
+        norms = client.weight_norm()
+        assert norms["sampling_norm"] == pytest.approx(norms["training_norm"], rel=1e-15)
+        assert len(client.generate(prompts, {"n": 1, "max_tokens": 2})) == 2
+        with pytest.raises(ConfigError, match="tags must be a non-empty list"):
+            client.wake_inference(["gpu"])
+
+
+@pytest.mark.slow
 def test_bad_batches_and_wrong_states_change_nothing(local_ray: None) -> None:
     with start(make_config(training_gpus=1)) as client:
         prompts = [[1, 2, 3], [4, 5]]

@@ -124,7 +124,7 @@ class RLService(GenerationOperations, TrainingOperations, WeightOperations, Slee
         check_flag("sync_weights", sync_weights)
         self.states.require_awake("training", "train_step()")
         if sync_weights:
-            self.states.require_awake("sampling", "train_step(sync_weights=True)")
+            self.states.require_sampler_weights_awake("train_step(sync_weights=True)")
         trained = self.fwd_bwd(
             batch, processing, old_log_probs_from_forward=old_log_probs_from_forward, temperature=temperature
         )

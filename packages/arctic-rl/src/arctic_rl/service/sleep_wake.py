@@ -18,24 +18,16 @@ class SleepOperations(ServiceBase):
             raise ConfigError(f"sleep level must be 1 (offload weights, drop KV cache) or 2 (drop both), got {level}.")
         self._require_open()
         samplers = self.engines.sampling
-        self.states.change(
-            "sampling",
-            len(samplers),
-            "sleep",
-            True,
-            lambda: self.calls.call_all(samplers, SamplingEngineProtocol.sleep, level),
+        self.states.sleep_sampling(
+            len(samplers), lambda: self.calls.call_all(samplers, SamplingEngineProtocol.sleep, level)
         )
 
     def wake_inference(self, tags: Sequence[str] | None = None) -> None:
         self._require_open()
         samplers = self.engines.sampling
         tags = None if tags is None else list(tags)
-        self.states.change(
-            "sampling",
-            len(samplers),
-            "wake",
-            False,
-            lambda: self.calls.call_all(samplers, SamplingEngineProtocol.wake, tags),
+        self.states.wake_sampling(
+            len(samplers), tags, lambda: self.calls.call_all(samplers, SamplingEngineProtocol.wake, tags)
         )
 
     def sleep_training(self, mode: str = "all") -> None:

@@ -15,10 +15,12 @@ __all__ = ["WeightOperations"]
 
 class WeightOperations(ServiceBase):
     def sync_weights(self) -> dict[str, float]:
-        """Trainer -> every sampling replica, then the samplers' prefix caches are reset."""
+        """Trainer -> every sampling replica, then the samplers' prefix caches are reset. The samplers' KV cache may
+        sleep (``wake_inference(["weights"])`` before, ``wake_inference(["kv_cache"])`` after: the colocated order
+        that never holds the KV cache beside the trainer's state)."""
         self._require_open()
         self.states.require_awake("training", "sync_weights()")
-        self.states.require_awake("sampling", "sync_weights()")
+        self.states.require_sampler_weights_awake("sync_weights()")
         start = time.perf_counter()
         with self.metrics.timer.phase("sync"):
             self.weight_sync.sync(self.engines.training, self.engines.sampling)
@@ -70,7 +72,7 @@ class WeightOperations(ServiceBase):
         if not path:
             raise ConfigError("load_checkpoint needs a path: pass one or set checkpoint_path in the config.")
         self.states.require_awake("training", "load_checkpoint()")
-        self.states.require_awake("sampling", "load_checkpoint()")
+        self.states.require_sampler_weights_awake("load_checkpoint()")
         check_checkpoint_arguments(path, step)
         loaded = self.calls.call_all(self.engines.training, TrainingEngineProtocol.load_checkpoint, path, step)
         self.engines.step_count = int(loaded[0])
