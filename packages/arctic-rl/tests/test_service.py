@@ -235,12 +235,17 @@ def test_a_colocated_step_syncs_into_the_samplers_weights_before_their_kv_cache_
         client.sleep_inference(2)
         with pytest.raises(EngineStateError, match=r"wake_inference\(\['weights'\]\)"):
             client.sync_weights()
+        assert client.describe()["sampling_tags_asleep"] == ["kv_cache", "weights"]
         client.wake_inference(["weights"])
+        described = client.describe()
+        assert described["sleeping"]["sampling"] and described["sampling_tags_asleep"] == ["kv_cache"]
         result = client.train_step(batch, old_log_probs_from_forward=True, sync_weights=True)
         assert result["sync_weights"] is not None and result["step"]["step"] == 1
         with pytest.raises(EngineStateError, match=r"kv_cache still sleep.*wake_inference\(\['kv_cache'\]\)"):
             client.generate(prompts, {"n": 1})
         client.wake_inference(["kv_cache"])
+        described = client.describe()
+        assert not described["sleeping"]["sampling"] and described["sampling_tags_asleep"] == []
         norms = client.weight_norm()
         assert norms["sampling_norm"] == pytest.approx(norms["training_norm"], rel=1e-15)
         assert len(client.generate(prompts, {"n": 1, "max_tokens": 2})) == 2

@@ -82,6 +82,8 @@ class RLService(GenerationOperations, TrainingOperations, WeightOperations, Slee
             "vocab_size": self.engines.vocab_size,
             "step": self.engines.step_count,
             "sleeping": dict(self.states.sleeping),
+            # A sampler woken tag by tag sleeps ("sleeping") until its last tag wakes: these are the ones left.
+            "sampling_tags_asleep": sorted(self.states.sampler_tags_asleep),
             "weight_sync": {"method": self.weight_sync.method, "transfer_setups": self.weight_sync.setups},
         }
 
