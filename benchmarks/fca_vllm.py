@@ -874,6 +874,42 @@ def write_report(out: Path, engines: list[dict[str, Any]], args: argparse.Namesp
     return path
 
 
+# What an engine runs: the library and the worker extension. The rest of this script plans, times and reports.
+ENGINE_CODE = ("packages/arctic-fca", "packages/arctic-dedup", "benchmarks/fca_vllm_worker.py")
+
+
+def engine_code_identical(commits: list[str], root: Path = BENCHMARKS.parent) -> dict[str, Any] | None:
+    """Runs of one commit merge as they are (None). Runs of several commits merge only where the code the engines
+    run is the same at each of them (``git diff`` over ENGINE_CODE empty); what else differs is recorded."""
+    distinct = list(dict.fromkeys(commits))
+    if len(distinct) == 1:
+        return None
+
+    def git(*arguments: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *arguments], cwd=root, capture_output=True, text=True, check=False)
+
+    first = distinct[0]
+    for other in distinct[1:]:
+        changed = git("diff", "--name-only", first, other, "--", *ENGINE_CODE)
+        if changed.returncode != 0:
+            raise SystemExit(
+                f"--merge: cannot compare commits {first} and {other} ({changed.stderr.strip()}); "
+                "merge runs of one commit, or run from a clone that has both"
+            )
+        if changed.stdout.strip():
+            raise SystemExit(
+                f"--merge: the engines' code differs between {first} and {other} "
+                f"({', '.join(changed.stdout.split())}); merge runs of one commit only"
+            )
+    harness = git("diff", "--name-only", first, distinct[-1], "--", "benchmarks/fca_vllm.py")
+    return {
+        "commits": distinct,
+        "engine_code": list(ENGINE_CODE),
+        "engine_code_identical": True,
+        "harness_changed": bool(harness.stdout.strip()),
+    }
+
+
 def merge_runs(paths: list[Path], out: Path, args: argparse.Namespace) -> int:
     merged: dict[str, dict[str, Any]] = {}
     commits, dates = [], []
@@ -882,15 +918,17 @@ def merge_runs(paths: list[Path], out: Path, args: argparse.Namespace) -> int:
         commits.append(run["meta"]["commit"])
         dates.append(run["meta"]["date"])
         for engine in run["engines"]:
+            engine.setdefault("commit", run["meta"]["commit"])
             if "error" not in engine or engine["engine"] not in merged:
                 merged[engine["engine"]] = engine
-    if len(set(commits)) > 1:
-        raise SystemExit(f"--merge: the runs measured different commits {commits}; merge runs of one commit only")
-    os.environ.setdefault("ARCTIC_COMMIT", commits[0])
+    identical = engine_code_identical(commits)
+    os.environ.setdefault("ARCTIC_COMMIT", commits[0] if len(set(commits)) == 1 else ",".join(dict.fromkeys(commits)))
     engines = list(merged.values())
     path = write_report(out, engines, args, final=True)
     report = json.loads(path.read_text())
     report["meta"].update(date=max(dates), merged_from=[str(source) for source in paths])
+    if identical is not None:
+        report["meta"]["commits_merged"] = identical
     path.write_text(json.dumps(report, indent=2) + "\n")
     plotted = plot(out / f"{NAME}.png", report)
     print_summary(report)

@@ -245,3 +245,41 @@ def test_fa3_own_schedule_ab_drops_only_the_standard_copys_schedule(mode: str) -
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-5:] == ["True", str(mode != "0"), "True", "1" if mode == "nosplit" else "None", "None"]
+
+
+def test_runs_of_several_commits_merge_only_where_the_engines_code_is_the_same(tmp_path: Path) -> None:
+    import fca_vllm
+
+    def git(*arguments: str) -> str:
+        done = subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *arguments],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    def commit(path: str, text: str) -> str:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", "-A")
+        git("commit", "-q", "-m", path)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    first = commit("packages/arctic-fca/src/backend.py", "kernel = 1\n")
+    harness_only = commit("benchmarks/fca_vllm.py", "profile_repeats = 3\n")
+    assert fca_vllm.engine_code_identical([first, first], root=tmp_path) is None
+    same = fca_vllm.engine_code_identical([first, harness_only], root=tmp_path)
+    assert same == {
+        "commits": [first, harness_only],
+        "engine_code": list(fca_vllm.ENGINE_CODE),
+        "engine_code_identical": True,
+        "harness_changed": True,
+    }
+    library_changed = commit("packages/arctic-fca/src/backend.py", "kernel = 2\n")
+    with pytest.raises(SystemExit, match=r"packages/arctic-fca/src/backend\.py"):
+        fca_vllm.engine_code_identical([first, harness_only, library_changed], root=tmp_path)
+    with pytest.raises(SystemExit, match="cannot compare"):
+        fca_vllm.engine_code_identical([first, "0" * 40], root=tmp_path)
