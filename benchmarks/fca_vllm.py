@@ -947,7 +947,13 @@ def plot(path: Path, report: dict[str, Any]) -> bool:
     rows = [row for row in report["rows"] if "speedup" in row]
     if not rows:
         return False
-    figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    exactness = {
+        model: section
+        for model, section in report.get("exactness", {}).items()
+        if "fca_vs_default_bf16_logprob_diff" in section and "default_bf16_vs_default_fp32_logprob_diff" in section
+    }
+    figure, axes = plt.subplots(1, 3 if exactness else 2, figsize=(20 if exactness else 14, 5))
+    left, right = axes[0], axes[1]
     names = [row["row"] for row in rows]
     bars = left.barh(names, [row["speedup"] for row in rows], color="tab:blue")
     left.bar_label(bars, labels=[f" {row['speedup']:.2f}x" for row in rows])
@@ -970,10 +976,40 @@ def plot(path: Path, report: dict[str, Any]) -> bool:
     right.invert_yaxis()
     right.legend(loc="lower right")
     right.tick_params(axis="y", labelsize=7)
+    if exactness:
+        plot_exactness(axes[2], exactness)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return True
+
+
+def plot_exactness(axis: Any, exactness: dict[str, dict[str, Any]]) -> None:
+    """Per shape, the bf16 logprob difference of FCA from the default beside the default's own bf16 error (the noise
+    control: default bf16 vs default float32), by mean, p99 and max."""
+    statistics_shown = ("mean", "p99", "max")
+    comparisons = (
+        ("fca_vs_default_bf16_logprob_diff", "|FCA - default|, bf16", "tab:blue"),
+        ("default_bf16_vs_default_fp32_logprob_diff", "|default bf16 - fp32| (noise)", "tab:gray"),
+    )
+    labels = [f"{model} {statistic}" for model in exactness for statistic in statistics_shown]
+    height = 0.4
+    for offset, (key, label, color) in enumerate(comparisons):
+        values = [exactness[model][key][statistic] for model in exactness for statistic in statistics_shown]
+        positions = [index + (offset - 0.5) * height for index in range(len(labels))]
+        bars = axis.barh(positions, values, height=height, color=color, label=label)
+        axis.bar_label(bars, labels=[f" {value:.3f}" for value in values], fontsize=7)
+    axis.set_yticks(range(len(labels)), labels)
+    axis.set_xlabel("per-token logprob difference (teacher-forced)")
+    axis.margins(x=0.15)
+    verdicts = "\n".join(
+        f"{model}: {'within' if section.get('fca_within_bf16_noise') else 'over'} noise, fp32 greedy "
+        f"{'identical' if section.get('greedy_fp32', {}).get('token_agreement') == 1.0 else 'differs'}"
+        for model, section in exactness.items()
+    )
+    axis.set_title(verdicts, fontsize=9)
+    axis.invert_yaxis()
+    axis.legend(loc="lower right", fontsize=8)
 
 
 def print_summary(report: dict[str, Any]) -> None:
