@@ -72,9 +72,11 @@
 #                  (the default engine once, FCA's three times: 4 engines of ~70 s, ~5 min)
 # Stages of the RL stack (after vLLM's carry and scripts/unpack_carry.sh .carry/rl/calls/00, which installs Ray,
 # DeepSpeed, TRL and the four packages into /tmp/site):
-#   rl-step        benchmarks/rl_step_gpu.py, our side: ARCTIC_RL_MODEL (default 1.7b, the shape an 80 GB card
-#                  trains), ARCTIC_RL_VARIANTS (default "colocated colocated_trainer_awake"), 3 steps; JSON in
-#                  $out/rl_ours  (~3 min a variant: 65 s of engine start, 42 s first step, 22 s a step on an H100)
+#   rl-step        benchmarks/rl_step_gpu.py, our side: ARCTIC_RL_MODEL (default 1.7b, the shape whose trainer stays
+#                  awake beside the sampler on an 80 GB card; 4b fits one with ARCTIC_RL_VARIANTS=colocated, the
+#                  trainer offloaded while sampling: 247 s on an H100), ARCTIC_RL_VARIANTS (default "colocated
+#                  colocated_trainer_awake"), 3 steps; JSON in $out/rl_ours  (~3 min a variant at 1.7b: 65 s of
+#                  engine start, 42 s first step, 22 s a step on an H100; 4b: 84 s, 62 s, 27 s)
 #   rl-step-trl    the same script, TRL 1.16's side alone, 2 steps (the first is warm-up); JSON in $out/rl_trl; join
 #                  both with --merge where no GPU is needed  (~7 min: TRL's 1.7B step is ~163 s on an H100)
 #   main-job       python recipes/grpo_parity.py as a user runs it: on a GPU machine it trains on the GPU, trainer and
