@@ -18,8 +18,11 @@ Our variants (each a fresh client; ``--steps`` steps, the first one warm-up):
   the training forward: one update per batch) -> ``empty_training_cache`` -> ``wake_inference(["weights"])`` ->
   ``sync_weights`` (CUDA IPC) -> ``sleep_training`` -> ``wake_inference(["kv_cache"])``: the KV cache never sits
   beside the trainer's state, so the peak is the trainer's own (state + activations) plus the sampler's bf16 weights
-  (the 4B shape's ~68 GiB of ZeRO-2 state may fit an 80 GB card so). ZoRRO and FCA on (``colocated``) and off
-  (``colocated_no_dedup``).
+  (the 4B shape's ~68 GiB of ZeRO-2 state fits an 80 GB card so: an H100 ran it on 2026-12-08). ZoRRO and FCA on
+  (``colocated``) and off (``colocated_no_dedup``).
+- ``colocated_moments``: the same order, but the trainer offloads only AdamW's moments (``sleep_training("moments")``,
+  8 bytes a parameter instead of ~20): for a card where the rest of the trainer's state and the sampler's share fit
+  together while sampling (the 4B shape on 80 GB: ~44 GB + 0.35 of the card), the host copies a step shrink ~2.5x.
 - ``colocated_trainer_awake``: only the sampler sleeps (level 2) while the trainer, whose state stays on the GPU,
   trains: generate -> ``sleep_inference(2)`` -> ``train_step`` -> ``empty_training_cache`` -> ``wake_inference`` ->
   ``sync_weights``. Fits when the trainer's state and vLLM's share of the card fit together (the 1.7B shape on 80 GB).
@@ -29,7 +32,8 @@ Our variants (each a fresh client; ``--steps`` steps, the first one warm-up):
 
 Phases per step: ``generate``, ``log_prob`` (0 here: the training forward provides the old log-probs), ``train``
 (forward-backward and optimizer step), ``sync``, ``sleep_wake`` (every sleep / wake call, and the cache release).
-``summary.headline_variant`` is the faster of ``colocated`` and ``colocated_trainer_awake`` among those that ran;
+``summary.headline_variant`` is the fastest of ``colocated``, ``colocated_moments`` and ``colocated_trainer_awake``
+among those that ran;
 ``summary.sync_and_sleep_share`` is its (sync + sleep_wake) / step (goal <= 0.10).
 
 The ideal step (``ideal_phases``; docs/performance.md's formulas, the device's own measured matmul rate and copy rate):
@@ -99,13 +103,15 @@ class Variant:
     """One way to run our step: ZoRRO + FCA on or off; time-sharing the GPU (sleep / wake) or both resident.
 
     Time-sharing puts the sampler to sleep at level 2 (its weights are discarded, not copied to the host: the sync
-    after every wake overwrites them) and, with ``trainer_sleeps``, the trainer's whole state too (when the trainer
-    and vLLM's share of the card do not fit together while sampling)."""
+    after every wake overwrites them) and, with ``trainer_sleeps``, the trainer's state too (when the trainer and
+    vLLM's share of the card do not fit together while sampling): ``trainer_sleep_mode`` of it (``sleep_training``'s
+    mode: "all", or "moments" for AdamW's moments alone where that frees room enough)."""
 
     name: str
     dedup: bool
     colocated_sleep: bool
     trainer_sleeps: bool = True
+    trainer_sleep_mode: str = "all"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -113,11 +119,12 @@ VARIANTS: dict[str, Variant] = {
     "colocated_trainer_awake": Variant(
         "colocated_trainer_awake", dedup=True, colocated_sleep=True, trainer_sleeps=False
     ),
+    "colocated_moments": Variant("colocated_moments", dedup=True, colocated_sleep=True, trainer_sleep_mode="moments"),
     "colocated_no_dedup": Variant("colocated_no_dedup", dedup=False, colocated_sleep=True),
     "resident": Variant("resident", dedup=True, colocated_sleep=False),
 }
 # The summary's headline: the fastest of these that ran (each time-shares the GPU; which one fits depends on the card).
-HEADLINE_CANDIDATES: tuple[str, ...] = ("colocated", "colocated_trainer_awake")
+HEADLINE_CANDIDATES: tuple[str, ...] = ("colocated", "colocated_moments", "colocated_trainer_awake")
 SAMPLER_SLEEP_LEVEL = 2
 # The smoke run checks the split path with and without dedup, and the colocated order of calls: the CPU build of
 # vLLM refuses sleep mode, but the engines' sleep states (and the trainer's offload) still run there, so an order the
@@ -301,7 +308,7 @@ def run_ours(model_dir: str, shape: StepShape, variant: Variant, settings: RunSe
     with create_arctic_rl_client(config, blocking_calls=True) as client:
         setup_seconds = time.perf_counter() - start
         if variant.colocated_sleep and variant.trainer_sleeps:
-            client.sleep_training()
+            client.sleep_training(variant.trainer_sleep_mode)
         for step in range(settings.steps):
             prompts = make_prompts(rng, settings.prompts_per_step, settings.prompt_padding)
             prompt_ids = [tokenizer(text)["input_ids"] for text, _ in prompts]
@@ -346,7 +353,7 @@ def run_ours(model_dir: str, shape: StepShape, variant: Variant, settings: RunSe
                 seconds["sync"] = client.sync_weights()["time_s"]
                 if variant.trainer_sleeps:
                     clock = time.perf_counter()
-                    client.sleep_training()
+                    client.sleep_training(variant.trainer_sleep_mode)
                     client.wake_inference(["kv_cache"])
                     seconds["sleep_wake"] += time.perf_counter() - clock
             else:

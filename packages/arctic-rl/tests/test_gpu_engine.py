@@ -94,3 +94,24 @@ def test_bf16_zero2_step_then_sleep_frees_memory_and_wake_restores(wider_model_d
     reply = fwd_bwd(engine, batch)
     engine.step()
     assert torch.isfinite(torch.tensor(reply["loss"]))
+
+
+def test_moments_sleep_frees_only_the_adamw_moments(wider_model_dir: Path) -> None:
+    engine = _engine(wider_model_dir, dtype="bfloat16", training={"zero_stage": 2, "max_grad_norm": 1.0})
+    parameters = sum(parameter.numel() for parameter in engine.module.parameters())
+    batch = make_batch(batch_size=8, prompts=3, seed=7)
+    fwd_bwd(engine, batch)
+    engine.step()
+    norm = engine.weight_norm()
+    torch.cuda.synchronize()
+    awake_bytes = torch.cuda.memory_allocated()
+    engine.sleep("moments")
+    torch.cuda.synchronize()
+    freed = awake_bytes - torch.cuda.memory_allocated()
+    # Both AdamW moments in fp32 (8 bytes a parameter) leave the GPU; the weights and master weights stay.
+    assert 0.9 * 8 * parameters <= freed <= 1.1 * 8 * parameters, (freed, parameters)
+    engine.wake()
+    assert engine.weight_norm() == norm
+    reply = fwd_bwd(engine, batch)
+    engine.step()
+    assert torch.isfinite(torch.tensor(reply["loss"]))

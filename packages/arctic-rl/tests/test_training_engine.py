@@ -308,7 +308,7 @@ def test_sleep_and_wake_keep_weights_and_optimizer_state(model_dir: str, stage: 
     awake, napping = TrainingEngine(config), TrainingEngine(config)
     for engine in (awake, napping):
         _train(engine, first)
-    for mode in ("optimizer", "weights", "all"):
+    for mode in ("optimizer", "weights", "all", "moments"):
         napping.sleep(mode)
         assert napping.is_sleeping
         with pytest.raises(EngineStateError):

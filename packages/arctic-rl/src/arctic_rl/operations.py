@@ -115,7 +115,7 @@ class WakeInferenceBody(OperationBody):
 
 
 class SleepTrainingBody(OperationBody):
-    mode: Literal["all", "weights", "optimizer"] = "all"
+    mode: Literal["all", "weights", "optimizer", "moments"] = "all"
 
 
 class SaveCheckpointBody(OperationBody):
