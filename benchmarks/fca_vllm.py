@@ -1002,9 +1002,14 @@ def plot_exactness(axis: Any, exactness: dict[str, dict[str, Any]]) -> None:
     axis.set_yticks(range(len(labels)), labels)
     axis.set_xlabel("per-token logprob difference (teacher-forced)")
     axis.margins(x=0.15)
+
+    def greedy(section: dict[str, Any]) -> str:
+        if "greedy_fp32" not in section:
+            return "not run"
+        return "identical" if section["greedy_fp32"]["token_agreement"] == 1.0 else "differs"
+
     verdicts = "\n".join(
-        f"{model}: {'within' if section.get('fca_within_bf16_noise') else 'over'} noise, fp32 greedy "
-        f"{'identical' if section.get('greedy_fp32', {}).get('token_agreement') == 1.0 else 'differs'}"
+        f"{model}: {'within' if section.get('fca_within_bf16_noise') else 'over'} noise, fp32 greedy {greedy(section)}"
         for model, section in exactness.items()
     )
     axis.set_title(verdicts, fontsize=9)
