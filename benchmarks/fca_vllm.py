@@ -874,7 +874,9 @@ def write_report(out: Path, engines: list[dict[str, Any]], args: argparse.Namesp
     return path
 
 
-# What an engine runs: the library and the worker extension. The rest of this script plans, times and reports.
+# What an engine runs beyond this script: the library and the worker extension. This script's own engine side
+# (timing, profiling, scoring) may differ between merged runs: each engine keeps its commit, and the merge records
+# whether the script changed (harness_changed).
 ENGINE_CODE = ("packages/arctic-fca", "packages/arctic-dedup", "benchmarks/fca_vllm_worker.py")
 
 
